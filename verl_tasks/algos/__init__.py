@@ -1,0 +1,18 @@
+"""Pure torch functions for GRPO/PPO, numerically compatible with verl's core_algos."""
+from verl_tasks.algos.core import (
+    aggregate_loss,
+    entropy_from_logits,
+    grpo_outcome_advantage,
+    kl_penalty,
+    masked_mean,
+    policy_loss_vanilla,
+)
+
+__all__ = [
+    "aggregate_loss",
+    "entropy_from_logits",
+    "grpo_outcome_advantage",
+    "kl_penalty",
+    "masked_mean",
+    "policy_loss_vanilla",
+]

@@ -1,0 +1,342 @@
+"""Typed experiment configuration, loaded from YAML and validated before any compute.
+
+Every section forbids unknown keys, so a typo fails at load with the key's path.
+The *training-relevant* part of the config is hashed and pinned in
+``experiment.json`` on the first run: resuming the same experiment name with a
+different value for any of those keys is refused with the list of keys.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from verl_tasks.errors import ConfigError
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+PHASES = ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate")
+# Sections whose values change what is computed; the rest (epochs, storage,
+# fault tolerance, resources, schedule) may change between runs of one experiment.
+HASHED_SECTIONS = ("seed", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
+
+
+def check_name(name: str, what: str = "experiment name") -> str:
+    """Return ``name`` if it is safe as one path segment, else raise ConfigError."""
+    if not isinstance(name, str) or not NAME_PATTERN.match(name) or ".." in name:
+        raise ConfigError(
+            f"invalid {what} {name!r}: use 1-128 characters from letters, digits, '.', '_' "
+            f"and '-', starting with a letter or digit, and no '..'"
+        )
+    return name
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(Strict):
+    """The built-in causal LM and its supervised warm start."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(256, gt=0)
+    warm_start_steps: int = Field(600, ge=0)
+    warm_start_lr: float = Field(3e-3, gt=0)
+    warm_start_batch_size: int = Field(128, gt=0)
+    # Share of warm-start examples that show the "forgot the carry" answer: the base
+    # policy inherits a systematic flaw that RL can find and fix in a few epochs.
+    carry_error_rate: float = Field(0.6, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.tiny.hidden_size ({self.hidden_size}) must be a multiple of "
+                f"model.tiny.num_heads ({self.num_heads})"
+            )
+        return self
+
+
+class ModelConfig(Strict):
+    source: Literal["tiny", "hf"] = "tiny"
+    name_or_path: str | None = None
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _hf_needs_path(self) -> "ModelConfig":
+        if self.source == "hf" and not self.name_or_path:
+            raise ValueError("model.name_or_path is required when model.source is 'hf'")
+        return self
+
+
+class DataConfig(Strict):
+    """Prompt data: ``builtin:arith`` (generated), or a JSONL / verl-format parquet file."""
+
+    train: str = "builtin:arith"
+    eval: str = "builtin:arith"
+    train_size: int = Field(2000, gt=0, description="prompts generated for builtin:arith")
+    eval_size: int = Field(200, gt=0)
+    max_prompt_tokens: int = Field(64, gt=0)
+
+
+class KLType(str, Enum):
+    none = "none"
+    k1 = "k1"
+    k2 = "k2"
+    low_var_kl = "low_var_kl"
+
+
+class LossAgg(str, Enum):
+    token_mean = "token-mean"
+    seq_mean_token_sum = "seq-mean-token-sum"
+    seq_mean_token_mean = "seq-mean-token-mean"
+
+
+class AlgorithmConfig(Strict):
+    name: Literal["grpo"] = "grpo"
+    group_size: int = Field(8, gt=0, description="samples per prompt (verl rollout.n)")
+    norm_adv_by_std: bool = True
+    clip_ratio_low: float = Field(0.2, ge=0, lt=1)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1)
+    loss_agg_mode: LossAgg = LossAgg.token_mean
+    kl_type: KLType = KLType.none
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    minibatch_size: int = Field(64, gt=0, description="sequences per optimizer step")
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _std_needs_groups(self) -> "AlgorithmConfig":
+        if self.group_size == 1 and self.norm_adv_by_std:
+            raise ValueError(
+                "algorithm.group_size is 1 with algorithm.norm_adv_by_std true: every "
+                "advantage would be 0 and nothing would be learned; set group_size >= 2"
+            )
+        if self.kl_type != KLType.none and self.kl_coef == 0:
+            raise ValueError("algorithm.kl_type is set but algorithm.kl_coef is 0; set both or neither")
+        return self
+
+
+class RolloutConfig(Strict):
+    engine: Literal["hf", "vllm"] = "hf"
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(6, gt=0)
+    batches_per_epoch: int = Field(4, gt=0)
+    prompts_per_batch: int = Field(16, gt=0)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm only")
+
+
+class RewardsConfig(Strict):
+    function: str = "verl_tasks.rewards.builtin:exact_answer"
+    timeout_s: float = Field(5.0, gt=0, description="per-sample time limit")
+    memory_limit_mb: int = Field(2048, gt=0, description="address-space limit of the sandbox")
+    default_score: float = 0.0
+    max_failure_fraction: float = Field(0.1, ge=0, le=1)
+    min_score: float = -1e6
+    max_score: float = 1e6
+
+    @field_validator("function")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        if ":" not in value:
+            raise ValueError(
+                f"rewards.function {value!r} must be an import path 'package.module:function'"
+            )
+        return value
+
+
+class EvaluateConfig(Strict):
+    every: int = Field(1, ge=0, description="evaluate every k epochs; 0 = only the last")
+    max_prompts: int = Field(200, gt=0)
+
+
+class QualityConfig(Strict):
+    """The Great Expectations gate between scoring and the update."""
+
+    enabled: bool = True
+    min_nonempty_response_fraction: float = Field(0.9, ge=0, le=1)
+
+
+class StorageConfig(Strict):
+    uri: str = "file://.store"
+    endpoint_url: str | None = None
+    region: str | None = None
+    sse: Literal["none", "AES256", "aws:kms"] = "none"
+    sse_kms_key_id: str | None = None
+    keep_snapshots: int = Field(3, gt=0, description="snapshots kept besides the base")
+    aws_conn_id: str | None = Field(None, description="Airflow connection for S3 credentials")
+
+    @field_validator("uri")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        if not (value.startswith("file://") or value.startswith("s3://")):
+            raise ValueError(f"storage.uri {value!r} must start with file:// or s3://")
+        return value
+
+
+class Resources(Strict):
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    memory_mb: int | None = Field(None, gt=0)
+
+
+class FaultToleranceConfig(Strict):
+    retries: int = Field(3, ge=0)
+    retry_delay_s: float = Field(5, ge=0)
+    max_retry_delay_s: float = Field(300, ge=0)
+    timeout_s: dict[str, float] = Field(default_factory=dict, description="per phase")
+    max_failed_batch_fraction: float = Field(0.5, gt=0, le=1)
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _known_phases(cls, value: dict[str, float]) -> dict[str, float]:
+        for phase, seconds in value.items():
+            if phase not in PHASES:
+                raise ValueError(f"fault_tolerance.timeout_s has unknown phase {phase!r}; use {PHASES}")
+            if seconds <= 0:
+                raise ValueError(f"fault_tolerance.timeout_s.{phase} must be > 0")
+        return value
+
+
+class ScheduleConfig(Strict):
+    cron: str | None = None
+    asset: str | None = Field(None, description="run when this prompt-data URI is updated")
+    parent: str | None = Field(None, description="continue from this experiment's latest snapshot")
+
+
+class ExperimentConfig(Strict):
+    experiment: str
+    seed: int = 0
+    epochs: int = Field(8, gt=0)
+    torch_threads: int = Field(2, gt=0)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    rewards: RewardsConfig = RewardsConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    quality: QualityConfig = QualityConfig()
+    storage: StorageConfig = StorageConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    resources: dict[str, Resources] = Field(default_factory=dict, description="per phase")
+    schedule: ScheduleConfig = ScheduleConfig()
+
+    @field_validator("experiment")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        try:
+            return check_name(value)
+        except ConfigError as err:
+            raise ValueError(str(err)) from err
+
+    @field_validator("resources")
+    @classmethod
+    def _resource_phases(cls, value: dict[str, Resources]) -> dict[str, Resources]:
+        for phase in value:
+            if phase not in PHASES:
+                raise ValueError(f"resources has unknown phase {phase!r}; use {PHASES}")
+        return value
+
+    @model_validator(mode="after")
+    def _minibatch_fits(self) -> "ExperimentConfig":
+        per_epoch = self.samples_per_epoch
+        if self.algorithm.minibatch_size > per_epoch:
+            raise ValueError(
+                f"algorithm.minibatch_size ({self.algorithm.minibatch_size}) is larger than the "
+                f"{per_epoch} samples an epoch produces (batches_per_epoch x prompts_per_batch x "
+                f"group_size); lower it"
+            )
+        return self
+
+    @property
+    def prompts_per_epoch(self) -> int:
+        return self.rollout.batches_per_epoch * self.rollout.prompts_per_batch
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.prompts_per_epoch * self.algorithm.group_size
+
+    def phase_resources(self, phase: str) -> Resources:
+        return self.resources.get(phase, Resources())
+
+    def hashed_view(self) -> dict[str, Any]:
+        """The training-relevant settings, as plain JSON values."""
+        dumped = self.model_dump(mode="json")
+        return {key: dumped[key] for key in HASHED_SECTIONS}
+
+    def config_hash(self) -> str:
+        blob = json.dumps(self.hashed_view(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def differing_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two hashed views."""
+    a, b = flatten(old), flatten(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "<top level>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key; remove it or check its spelling")
+        else:
+            lines.append(f"{where}: {item['msg']} (got {item.get('input')!r})")
+    return "invalid experiment config:\n  " + "\n  ".join(lines)
+
+
+def parse_config(raw: dict[str, Any], overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Validate a mapping (plus dotted-key overrides) into an ExperimentConfig."""
+    data = json.loads(json.dumps(raw))
+    for dotted, value in (overrides or {}).items():
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a YAML experiment file; raise ConfigError naming the key and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return parse_config(raw, overrides)

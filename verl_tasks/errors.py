@@ -1,0 +1,76 @@
+"""One exception family for verl-tasks; each error carries the ids a person needs."""
+from __future__ import annotations
+
+
+class VerlTasksError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(VerlTasksError):
+    """The experiment configuration or its inputs are invalid; nothing was computed."""
+
+
+class ConfigMismatch(ConfigError):
+    """A run asked for an experiment name that already exists with a different config."""
+
+    def __init__(self, experiment: str, differing_keys: list[str]):
+        self.experiment = experiment
+        self.differing_keys = differing_keys
+        keys = ", ".join(differing_keys)
+        super().__init__(
+            f"experiment {experiment!r} already exists with a different configuration; "
+            f"differing keys: {keys}. Use a new experiment name (--experiment NAME) to train "
+            f"with these settings, or restore the original values to resume."
+        )
+
+
+class DataError(ConfigError):
+    """The prompt data cannot be used (malformed, empty, too long)."""
+
+
+class StoreError(VerlTasksError):
+    """Storage failed or holds something it should not."""
+
+
+class IntegrityError(StoreError):
+    """A committed unit does not match its manifest (missing, truncated or altered file)."""
+
+    def __init__(self, unit: str, problems: list[str]):
+        self.unit = unit
+        self.problems = problems
+        super().__init__(f"unit {unit} failed verification: " + "; ".join(problems))
+
+
+class UnsafeKey(StoreError):
+    """A key or name would escape the experiment prefix."""
+
+
+class PhaseFailed(VerlTasksError):
+    """A phase ran and could not produce its output."""
+
+    def __init__(self, unit: str, reason: str):
+        self.unit = unit
+        self.reason = reason
+        super().__init__(f"{unit}: {reason}")
+
+
+class ValidationFailed(PhaseFailed):
+    """The data-quality gate refused an epoch's scored samples."""
+
+
+class RewardFailureRate(PhaseFailed):
+    """Too many samples of a batch could not be scored."""
+
+
+class JobFailed(VerlTasksError):
+    """A Ray job for a unit ended without success."""
+
+    def __init__(self, submission_id: str, status: str, log_tail: str = ""):
+        self.submission_id = submission_id
+        self.status = status
+        self.log_tail = log_tail
+        super().__init__(f"Ray job {submission_id} ended {status}. Log tail:\n{log_tail}")
+
+
+class SafeMode(VerlTasksError):
+    """The experiment is in safe mode: no epoch starts until a person resumes it."""

@@ -1,0 +1,121 @@
+"""Where every phase of every epoch writes: the one place that builds storage keys.
+
+::
+
+    <experiment>/experiment.json                 config + hash, written once
+    <experiment>/data/{train,eval}/              normalised prompts, pinned on first run
+    <experiment>/epochs/00003/plan/              prompt ids per batch, seeds, policy version
+    <experiment>/epochs/00003/rollout/b0007/     samples.jsonl
+    <experiment>/epochs/00003/score/b0007/       scores.jsonl
+    <experiment>/epochs/00003/validate/          report.json
+    <experiment>/epochs/00003/update/            model + optimizer safetensors, metrics.json
+    <experiment>/epochs/00003/evaluate/          accuracy of policy version 4
+    <experiment>/snapshots/00004/                HF-loadable folder + optimizer + trainer_state.json
+    <experiment>/snapshots/latest.json           pointer to the newest committed snapshot
+    <experiment>/base/evaluate/                  accuracy of policy version 0
+    <experiment>/events/                         one JSON object per event
+    <experiment>/tombstones/                     markers of rolled-back units
+    <experiment>/control/safe_mode.json          present while the experiment is halted
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_tasks.config import check_name
+from verl_tasks.errors import ConfigError
+
+MAX_EPOCH = 99_999
+MAX_BATCH = 9_999
+
+
+def _check_index(value: int, what: str, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise ConfigError(f"{what} must be an integer in [0, {limit}], got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    experiment: str
+
+    def __post_init__(self) -> None:
+        check_name(self.experiment)
+
+    @property
+    def root(self) -> str:
+        return self.experiment
+
+    @property
+    def experiment_json(self) -> str:
+        return f"{self.root}/experiment.json"
+
+    def data(self, split: str) -> str:
+        if split not in ("train", "eval"):
+            raise ConfigError(f"unknown data split {split!r}")
+        return f"{self.root}/data/{split}"
+
+    def epoch(self, epoch: int) -> str:
+        return f"{self.root}/epochs/{_check_index(epoch, 'epoch', MAX_EPOCH):05d}"
+
+    def plan(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/plan"
+
+    def rollout(self, epoch: int, batch: int) -> str:
+        return f"{self.epoch(epoch)}/rollout/b{_check_index(batch, 'batch', MAX_BATCH):04d}"
+
+    def score(self, epoch: int, batch: int) -> str:
+        return f"{self.epoch(epoch)}/score/b{_check_index(batch, 'batch', MAX_BATCH):04d}"
+
+    def validate(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/validate"
+
+    def update(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/update"
+
+    def evaluate(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/evaluate"
+
+    @property
+    def base_evaluate(self) -> str:
+        return f"{self.root}/base/evaluate"
+
+    @property
+    def snapshots(self) -> str:
+        return f"{self.root}/snapshots"
+
+    def snapshot(self, version: int) -> str:
+        return f"{self.snapshots}/{_check_index(version, 'snapshot version', MAX_EPOCH + 1):05d}"
+
+    @property
+    def latest(self) -> str:
+        return f"{self.snapshots}/latest.json"
+
+    @property
+    def events(self) -> str:
+        return f"{self.root}/events"
+
+    @property
+    def tombstones(self) -> str:
+        return f"{self.root}/tombstones"
+
+    @property
+    def safe_mode(self) -> str:
+        return f"{self.root}/control/safe_mode.json"
+
+    def unit(self, phase: str, epoch: int, batch: int | None = None) -> str:
+        """The unit key of a phase (batch only for rollout and score)."""
+        if phase in ("rollout", "score"):
+            if batch is None:
+                raise ConfigError(f"phase {phase} needs a batch index")
+            return getattr(self, phase)(epoch, batch)
+        if phase == "snapshot":
+            return self.snapshot(epoch + 1)
+        if phase in ("plan", "validate", "update", "evaluate"):
+            return getattr(self, phase)(epoch)
+        raise ConfigError(f"unknown phase {phase!r}")
+
+    def snapshot_version(self, key: str) -> int | None:
+        """Version of a ``snapshots/NNNNN/...`` key, or None."""
+        rest = key[len(self.snapshots) + 1 :] if key.startswith(self.snapshots + "/") else ""
+        head = rest.split("/", 1)[0]
+        return int(head) if head.isdigit() else None

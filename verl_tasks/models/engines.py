@@ -1,0 +1,133 @@
+"""Generation engines behind one signature: ``hf`` (transformers generate, CPU/GPU)
+and ``vllm`` (GPU, optional extra). Both sample ``n`` responses per prompt from a
+seed, so a retried rollout reproduces its samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from verl_tasks.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt_index: int
+    sample_index: int
+    response_ids: list[int]
+    text: str
+    finished: bool  # ended with EOS within the token budget
+
+
+Engine = Callable[..., list[Generation]]
+ENGINES: dict[str, Engine] = {}
+
+
+def register_engine(name: str) -> Callable[[Engine], Engine]:
+    def wrap(fn: Engine) -> Engine:
+        ENGINES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_engine(name: str) -> Engine:
+    if name not in ENGINES:
+        raise ConfigError(f"unknown rollout engine {name!r}; valid: {sorted(ENGINES)}")
+    return ENGINES[name]
+
+
+def _trim(ids: list[int], eos_id: int) -> tuple[list[int], bool]:
+    if eos_id in ids:
+        return ids[: ids.index(eos_id) + 1], True
+    return ids, False
+
+
+@register_engine("hf")
+@torch.no_grad()
+def generate_hf(
+    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None
+) -> list[Generation]:
+    """Left-padded batched ``generate``; responses are trimmed at (and keep) the first EOS."""
+    del policy_dir
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = [ids for ids in prompts for _ in range(spec.n)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+        mask[i, width - len(ids) :] = 1
+    torch.manual_seed(spec.seed)
+    kwargs: dict[str, Any] = dict(max_new_tokens=spec.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
+    if spec.greedy:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=spec.temperature, top_p=spec.top_p, top_k=0)
+    out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+    results = []
+    for i, row in enumerate(out[:, width:].tolist()):
+        ids, finished = _trim(row, eos)
+        text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
+        results.append(Generation(i // spec.n, i % spec.n, ids, text, finished))
+    return results
+
+
+@register_engine("vllm")
+def generate_vllm(
+    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None
+) -> list[Generation]:
+    """vLLM generation from the policy folder, one seed per request (prompt)."""
+    del model
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as err:
+        raise ConfigError("rollout.engine 'vllm' needs the extra: pip install 'verl-tasks[vllm]' on a GPU node") from err
+    if policy_dir is None:
+        raise ConfigError("the vllm engine needs the policy folder on local disk")
+    llm = _vllm_engine(str(policy_dir))
+    params = [
+        SamplingParams(
+            n=spec.n,
+            temperature=0.0 if spec.greedy else spec.temperature,
+            top_p=1.0 if spec.greedy else spec.top_p,
+            max_tokens=spec.max_new_tokens,
+            seed=spec.seed + i,
+        )
+        for i in range(len(prompts))
+    ]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    eos = tokenizer.eos_token_id
+    results = []
+    for i, output in enumerate(outputs):
+        for j, completion in enumerate(output.outputs):
+            ids, finished = _trim(list(completion.token_ids), eos)
+            text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
+            results.append(Generation(i, j, ids, text, finished))
+    return results
+
+
+_VLLM_CACHE: dict[str, Any] = {}
+
+
+def _vllm_engine(path: str) -> Any:
+    """One resident vLLM engine per policy folder in this process."""
+    from vllm import LLM
+
+    if path not in _VLLM_CACHE:
+        _VLLM_CACHE.clear()
+        _VLLM_CACHE[path] = LLM(model=path, seed=0, enforce_eager=True)
+    return _VLLM_CACHE[path]

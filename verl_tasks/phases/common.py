@@ -1,0 +1,165 @@
+"""What every phase shares: the context, the commit-or-skip wrapper, seeds and policy loading.
+
+A phase is ``fn(ctx, epoch, batch=None) -> CommitRecord``: deterministic, and a
+no-op returning the existing record when its unit is already committed.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from verl_tasks.config import ExperimentConfig
+from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
+from verl_tasks.events import record_event
+from verl_tasks.layout import Layout
+from verl_tasks.models.checkpoint import WEIGHTS, load_policy
+from verl_tasks.store import LocalStore, ObjectStore
+from verl_tasks.store.units import CommitRecord, UnitWriter, download, quarantine, read_marker
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = Path(os.environ.get("VERL_TASKS_CACHE", Path.home() / ".cache" / "verl-tasks"))
+
+
+@dataclass
+class PhaseContext:
+    config: ExperimentConfig
+    store: ObjectStore
+    layout: Layout = field(init=False)
+    # Set by fault-injection tests and the CLI's interrupt handling; never by users' configs.
+    hooks: dict[str, Callable[..., None]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layout = Layout(self.config.experiment)
+
+    def hook(self, name: str, **info: Any) -> None:
+        if name in self.hooks:
+            self.hooks[name](**info)
+
+
+def derive_seed(seed: int, epoch: int, phase: str, batch: int | None = None) -> int:
+    """A 31-bit seed from (experiment seed, epoch, phase, batch): the only source of randomness."""
+    digest = hashlib.sha256(f"{seed}/{epoch}/{phase}/{batch}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def set_determinism(config: ExperimentConfig) -> None:
+    """Fixed thread count and deterministic kernels: a retry reproduces the same bytes."""
+    if torch.get_num_threads() != config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def check_not_halted(ctx: PhaseContext) -> None:
+    if ctx.store.exists(ctx.layout.safe_mode):
+        raise SafeMode(
+            f"experiment {ctx.config.experiment!r} is in safe mode ({ctx.layout.safe_mode}); inspect with "
+            f"`verl-tasks status`, fix the cause, then run `verl-tasks resume --experiment {ctx.config.experiment}`"
+        )
+
+
+def committed(ctx: PhaseContext, unit: str) -> CommitRecord | None:
+    """The unit's record; a corrupt marker is quarantined and read as absent (the unit is recomputed)."""
+    try:
+        return read_marker(ctx.store, unit)
+    except IntegrityError as err:
+        quarantine(ctx.store, unit, str(err))
+        record_event(ctx.store, ctx.layout, "quarantined", unit=unit, error=str(err))
+        return None
+
+
+def require(ctx: PhaseContext, unit: str, producer: str) -> CommitRecord:
+    """The committed record of an input unit, or a PhaseFailed saying which task to run first."""
+    record = committed(ctx, unit)
+    if record is None:
+        raise PhaseFailed(unit, f"input is not committed; run (or clear) the {producer} task first")
+    return record
+
+
+def run_unit(
+    ctx: PhaseContext,
+    phase: str,
+    unit: str,
+    epoch: int,
+    produce: Callable[[UnitWriter], dict[str, Any]],
+    batch: int | None = None,
+) -> CommitRecord:
+    """Skip if committed; else produce the files in a fresh attempt and commit them."""
+    existing = committed(ctx, unit)
+    ids = {"phase": phase, "unit": unit, "epoch": epoch, "batch": batch}
+    if existing is not None:
+        record_event(ctx.store, ctx.layout, "skipped", attempt=existing.attempt, **ids)
+        return existing
+    check_not_halted(ctx)
+    set_determinism(ctx.config)
+    writer = UnitWriter(ctx.store, unit)
+    started = time.monotonic()
+    record_event(ctx.store, ctx.layout, "started", attempt=writer.attempt, **ids)
+    try:
+        meta = produce(writer)
+        ctx.hook("before_commit", phase=phase, unit=unit, epoch=epoch, batch=batch)
+        record, won = writer.commit(meta)
+    except Exception as err:
+        record_event(
+            ctx.store, ctx.layout, "failed", attempt=writer.attempt, error=f"{type(err).__name__}: {err}"[:2000],
+            duration_s=round(time.monotonic() - started, 3), **ids,
+        )
+        raise
+    size = sum(entry.size for entry in record.files.values())
+    record_event(
+        ctx.store, ctx.layout, "committed" if won else "lost_race", attempt=writer.attempt,
+        winner=record.attempt, duration_s=round(time.monotonic() - started, 3), bytes=size, **ids,
+    )
+    return record
+
+
+def policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
+    """A local folder holding policy ``version`` (snapshot files verified against the manifest)."""
+    record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
+    weights_sha = record.files[WEIGHTS].sha256
+    if isinstance(ctx.store, LocalStore):
+        folder = ctx.store.root / f"{record.unit}/.attempts/{record.attempt}"
+        if all((folder / name).is_file() and (folder / name).stat().st_size == e.size for name, e in record.files.items()):
+            _verify_weights(folder / WEIGHTS, weights_sha, record.unit)
+            return folder, record
+        raise IntegrityError(record.unit, ["snapshot files missing or truncated"])
+    folder = CACHE_DIR / "policies" / weights_sha
+    if not (folder / ".complete").exists():
+        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR.mkdir(parents=True, exist_ok=True) or CACHE_DIR))
+        for name in record.files:
+            download(ctx.store, record, name, tmp / name)
+        (tmp / ".complete").touch()
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(folder)
+    return folder, record
+
+
+_VERIFIED: set[tuple[str, str, int, int]] = set()
+
+
+def _verify_weights(path: Path, sha: str, unit: str) -> None:
+    from verl_tasks.store.units import sha256_file
+
+    stat = path.stat()
+    key = (str(path), sha, stat.st_mtime_ns, stat.st_size)
+    if key in _VERIFIED:
+        return
+    if sha256_file(path) != sha:
+        raise IntegrityError(unit, [f"{WEIGHTS}: sha256 differs from manifest"])
+    _VERIFIED.add(key)
+
+
+def load_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any, Path]:
+    folder, _ = policy_folder(ctx, version)
+    model, tokenizer = load_policy(folder, ctx.config.model.dtype)
+    return model, tokenizer, folder

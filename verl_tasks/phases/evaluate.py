@@ -1,0 +1,71 @@
+"""Evaluate a policy version on the held-out prompts with greedy decoding.
+
+``accuracy`` is the share of prompts whose reward is at least 1.0 (a correct
+answer under the built-in scorers and verl's rule-based ones).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from verl_tasks import data as data_mod
+from verl_tasks.models.engines import SamplingSpec, get_engine
+from verl_tasks.phases.common import PhaseContext, derive_seed, load_version, run_unit
+from verl_tasks.phases.prepare import eval_rows
+from verl_tasks.rewards.sandbox import RewardSandbox
+from verl_tasks.store.units import CommitRecord, UnitWriter
+
+CHUNK = 256
+
+
+def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> CommitRecord:
+    cfg = ctx.config
+
+    def produce(writer: UnitWriter) -> dict[str, Any]:
+        rows = eval_rows(ctx)[: cfg.evaluate.max_prompts]
+        model, tokenizer, folder = load_version(ctx, version)
+        engine = get_engine(cfg.rollout.engine)
+        spec = SamplingSpec(n=1, temperature=1.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                            seed=derive_seed(cfg.seed, version, "evaluate"), greedy=True)
+        texts = []
+        for start in range(0, len(rows), CHUNK):
+            chunk = rows[start : start + CHUNK]
+            ids = [tokenizer(data_mod.prompt_text(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for r in chunk]
+            texts.extend(g.text for g in engine(model, tokenizer, ids, spec, policy_dir=folder))
+        requests = [
+            {"id": r["id"], "data_source": r["data_source"], "solution_str": t, "ground_truth": r["ground_truth"], "extra_info": r["extra_info"]}
+            for r, t in zip(rows, texts)
+        ]
+        with RewardSandbox(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.memory_limit_mb) as sandbox:
+            result = sandbox.score(requests, cfg.rewards.default_score)
+        accuracy = sum(s >= 1.0 for s in result.scores) / max(1, len(rows))
+        metrics = {
+            "eval_accuracy": accuracy,
+            "eval_reward_mean": sum(result.scores) / max(1, len(rows)),
+            "eval_prompts": len(rows),
+            "policy_version": version,
+            "eval_failed_samples": len(result.failures),
+        }
+        writer.write_json("metrics.json", metrics)
+        writer.write_jsonl(
+            "predictions.jsonl",
+            [{"id": r["id"], "response": t, "score": s} for r, t, s in zip(rows, texts, result.scores)],
+        )
+        return {"metrics": metrics}
+
+    return run_unit(ctx, "evaluate", unit, epoch, produce)
+
+
+def evaluate_base(ctx: PhaseContext) -> CommitRecord:
+    return evaluate_version(ctx, 0, ctx.layout.base_evaluate, 0)
+
+
+def evaluate(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
+    """Evaluate the policy produced by ``epoch`` (version ``epoch + 1``); the base too, once."""
+    del batch
+    evaluate_base(ctx)
+    return evaluate_version(ctx, epoch + 1, ctx.layout.evaluate(epoch), epoch)
+
+
+def should_evaluate(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
+    every = ctx.config.evaluate.every
+    return epoch == total_epochs - 1 or (every > 0 and (epoch + 1) % every == 0)

@@ -1,0 +1,47 @@
+"""Plan an epoch: which prompts go to which rollout batch, with which seeds, from which policy."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from verl_tasks.phases.common import PhaseContext, derive_seed, run_unit
+from verl_tasks.phases.prepare import prepare, train_rows
+from verl_tasks.store.units import CommitRecord, UnitWriter
+
+
+def plan(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
+    """Deterministic: a seeded permutation of the pinned train prompts, cut into batches.
+
+    Epochs walk through the permutation of their "pass" over the data, so every
+    prompt is used once per pass before any repeats.
+    """
+    del batch
+    prepare(ctx)
+    cfg = ctx.config
+
+    def produce(writer: UnitWriter) -> dict[str, Any]:
+        ids = [row["id"] for row in train_rows(ctx)]
+        per_epoch = cfg.prompts_per_epoch
+        epochs_per_pass = max(1, len(ids) // per_epoch)
+        data_pass, offset = divmod(epoch, epochs_per_pass)
+        order = list(ids)
+        random.Random(derive_seed(cfg.seed, data_pass, "plan-pass")).shuffle(order)
+        chosen = order[offset * per_epoch : (offset + 1) * per_epoch]
+        size = cfg.rollout.prompts_per_batch
+        batches = [
+            {"batch": b, "prompt_ids": chosen[b * size : (b + 1) * size], "seed": derive_seed(cfg.seed, epoch, "rollout", b)}
+            for b in range(cfg.rollout.batches_per_epoch)
+        ]
+        writer.write_json(
+            "plan.json",
+            {
+                "epoch": epoch,
+                "policy_version": epoch,
+                "group_size": cfg.algorithm.group_size,
+                "batches": batches,
+                "update_seed": derive_seed(cfg.seed, epoch, "update"),
+            },
+        )
+        return {"batches": len(batches), "prompts": len(chosen), "policy_version": epoch}
+
+    return run_unit(ctx, "plan", ctx.layout.plan(epoch), epoch, produce)

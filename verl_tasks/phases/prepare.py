@@ -1,0 +1,164 @@
+"""Pin an experiment: its config (hash), its prompt data and its base policy (snapshot 0).
+
+Runs before the first plan, and is a no-op afterwards. A different config under
+the same experiment name is refused here, before any compute.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from verl_tasks import data as data_mod
+from verl_tasks.config import differing_keys
+from verl_tasks.errors import ConfigMismatch, DataError
+from verl_tasks.models.checkpoint import save_policy
+from verl_tasks.phases.common import CACHE_DIR, PhaseContext, committed, run_unit, set_determinism
+from verl_tasks.store.base import NotFound
+from verl_tasks.store.units import CommitRecord, UnitWriter, read_jsonl
+
+log = logging.getLogger(__name__)
+
+
+def pin_experiment(ctx: PhaseContext, parent: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``experiment.json`` once; afterwards refuse a config whose hashed keys differ."""
+    cfg = ctx.config
+    body = {
+        "experiment": cfg.experiment,
+        "config_hash": cfg.config_hash(),
+        "hashed_config": cfg.hashed_view(),
+        "config": cfg.model_dump(mode="json"),
+        "created_at": time.time(),
+        "parent": parent,
+    }
+    try:
+        existing = json.loads(ctx.store.get(ctx.layout.experiment_json))
+    except NotFound:
+        if ctx.store.put_if_absent(ctx.layout.experiment_json, json.dumps(body, indent=1, sort_keys=True).encode()):
+            return body
+        existing = json.loads(ctx.store.get(ctx.layout.experiment_json))
+    if existing["config_hash"] != body["config_hash"]:
+        raise ConfigMismatch(cfg.experiment, differing_keys(existing["hashed_config"], body["hashed_config"]))
+    return existing
+
+
+def _tokenizer_for(ctx: PhaseContext):
+    model_cfg = ctx.config.model
+    if model_cfg.source == "tiny":
+        from verl_tasks.models.tiny import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+
+
+def prepare_data(ctx: PhaseContext, split: str) -> CommitRecord:
+    """Normalise and pin one split; prompts over the token limit fail here, before any compute."""
+    cfg = ctx.config
+    source = cfg.data.train if split == "train" else cfg.data.eval
+    size = cfg.data.train_size if split == "train" else cfg.data.eval_size
+
+    def produce(writer: UnitWriter) -> dict[str, Any]:
+        rows = data_mod.load_rows(source, split, cfg.seed, size)
+        tokenizer = _tokenizer_for(ctx)
+        too_long = []
+        for row in rows:
+            text = data_mod.prompt_text(row["prompt"], tokenizer)
+            row["prompt_tokens"] = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if row["prompt_tokens"] > cfg.data.max_prompt_tokens:
+                too_long.append(f"{row['id']} ({row['prompt_tokens']} tokens)")
+        if too_long:
+            shown = ", ".join(too_long[:5]) + (f" and {len(too_long) - 5} more" if len(too_long) > 5 else "")
+            raise DataError(
+                f"data.{split}: {len(too_long)} prompt(s) exceed data.max_prompt_tokens="
+                f"{cfg.data.max_prompt_tokens}: {shown}; raise the limit or drop those prompts"
+            )
+        if split == "train" and len(rows) < cfg.prompts_per_epoch:
+            raise DataError(
+                f"data.train has {len(rows)} prompts but an epoch needs {cfg.prompts_per_epoch} "
+                f"(rollout.batches_per_epoch x rollout.prompts_per_batch); lower those or add data"
+            )
+        writer.write_jsonl("prompts.jsonl", rows)
+        return {"rows": len(rows), "source": source}
+
+    return run_unit(ctx, "prepare", ctx.layout.data(split), 0, produce)
+
+
+def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
+    """Build (tiny) or fetch (HF) the base policy into ``work``; the tiny warm start is cached locally."""
+    cfg = ctx.config
+    if cfg.model.source == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path, use_safetensors=True, trust_remote_code=cfg.model.trust_remote_code
+        )
+        save_policy(model, _tokenizer_for(ctx), work)
+        return work, {"source": "hf", "name_or_path": cfg.model.name_or_path}
+    from verl_tasks.models.tiny import build_tokenizer, warm_start
+
+    key = json.dumps({"tiny": cfg.model.tiny.model_dump(), "seed": cfg.seed, "threads": cfg.torch_threads}, sort_keys=True)
+    import hashlib
+
+    cache = CACHE_DIR / "warm-start" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    if (cache / "info.json").exists():
+        return cache, json.loads((cache / "info.json").read_text())
+    model, info = warm_start(cfg.model.tiny, cfg.seed, build_tokenizer())
+    save_policy(model, build_tokenizer(), work)
+    info = {"source": "tiny", **info}
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent.mkdir(parents=True, exist_ok=True) or cache.parent))
+        for path in work.iterdir():
+            (tmp / path.name).write_bytes(path.read_bytes())
+        (tmp / "info.json").write_text(json.dumps(info))
+        tmp.rename(cache)
+    except OSError as err:  # a cache we cannot write only costs time
+        log.info("warm-start cache not written: %s", err)
+    return work, info
+
+
+def base_snapshot(ctx: PhaseContext) -> CommitRecord:
+    """Snapshot 0: the policy every RL epoch starts from."""
+
+    def produce(writer: UnitWriter) -> dict[str, Any]:
+        set_determinism(ctx.config)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder, info = _base_folder(ctx, Path(tmp))
+            for path in sorted(folder.iterdir()):
+                if path.is_file() and path.name != "info.json":
+                    writer.write_file(path.name, path)
+            writer.write_json("trainer_state.json", {"version": 0, "step": 0, "epoch": None, "seed": ctx.config.seed})
+        return {"version": 0, **info}
+
+    return run_unit(ctx, "prepare", ctx.layout.snapshot(0), 0, produce)
+
+
+def prepare(ctx: PhaseContext) -> CommitRecord:
+    pin_experiment(ctx)
+    prepare_data(ctx, "train")
+    prepare_data(ctx, "eval")
+    record = base_snapshot(ctx)
+    _point_latest(ctx, 0, record)
+    return record
+
+
+def _point_latest(ctx: PhaseContext, version: int, record: CommitRecord) -> None:
+    from verl_tasks.phases.snapshot import write_latest
+
+    if committed(ctx, ctx.layout.snapshot(version)) is not None and not ctx.store.exists(ctx.layout.latest):
+        write_latest(ctx, version, record)
+
+
+def train_rows(ctx: PhaseContext) -> list[dict[str, Any]]:
+    return read_jsonl(ctx.store, committed(ctx, ctx.layout.data("train")), "prompts.jsonl")
+
+
+def eval_rows(ctx: PhaseContext) -> list[dict[str, Any]]:
+    return read_jsonl(ctx.store, committed(ctx, ctx.layout.data("eval")), "prompts.jsonl")
+
+
+__all__ = ["prepare", "pin_experiment", "train_rows", "eval_rows"]

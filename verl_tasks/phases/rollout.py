@@ -1,0 +1,58 @@
+"""Generate a group of ``n`` samples for each prompt of one planned batch."""
+from __future__ import annotations
+
+from typing import Any
+
+from verl_tasks import data as data_mod
+from verl_tasks.models.engines import SamplingSpec, get_engine
+from verl_tasks.phases.common import PhaseContext, load_version, require, run_unit
+from verl_tasks.phases.prepare import train_rows
+from verl_tasks.store.units import CommitRecord, UnitWriter, read_json
+
+
+def sample_id(epoch: int, batch: int, prompt_id: str, index: int) -> str:
+    return f"e{epoch:05d}-b{batch:04d}-{prompt_id}-s{index:02d}"
+
+
+def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
+    cfg = ctx.config
+
+    def produce(writer: UnitWriter) -> dict[str, Any]:
+        planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
+        if not 0 <= batch < len(planned["batches"]):
+            raise ValueError(f"batch {batch} is not in the plan of epoch {epoch} ({len(planned['batches'])} batches)")
+        spec_batch = planned["batches"][batch]
+        rows = {row["id"]: row for row in train_rows(ctx)}
+        model, tokenizer, folder = load_version(ctx, planned["policy_version"])
+        prompts = [rows[pid] for pid in spec_batch["prompt_ids"]]
+        prompt_ids = [
+            tokenizer(data_mod.prompt_text(p["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for p in prompts
+        ]
+        spec = SamplingSpec(
+            n=cfg.algorithm.group_size,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            seed=spec_batch["seed"],
+        )
+        ctx.hook("rollout_generate", epoch=epoch, batch=batch)
+        generations = get_engine(cfg.rollout.engine)(model, tokenizer, prompt_ids, spec, policy_dir=folder)
+        samples = []
+        for gen in generations:
+            prompt = prompts[gen.prompt_index]
+            samples.append(
+                {
+                    "sample_id": sample_id(epoch, batch, prompt["id"], gen.sample_index),
+                    "prompt_id": prompt["id"],
+                    "prompt_ids": prompt_ids[gen.prompt_index],
+                    "response_ids": gen.response_ids,
+                    "response": gen.text,
+                    "finished": gen.finished,
+                    "policy_version": planned["policy_version"],
+                }
+            )
+        writer.write_jsonl("samples.jsonl", samples)
+        finished = sum(s["finished"] for s in samples)
+        return {"samples": len(samples), "finished_fraction": finished / max(1, len(samples)), "engine": cfg.rollout.engine}
+
+    return run_unit(ctx, "rollout", ctx.layout.rollout(epoch, batch), epoch, produce, batch=batch)

@@ -1,0 +1,48 @@
+"""Score one rollout batch with the configured reward function, in a sandboxed process."""
+from __future__ import annotations
+
+from typing import Any
+
+from verl_tasks.errors import RewardFailureRate
+from verl_tasks.phases.common import PhaseContext, require, run_unit
+from verl_tasks.phases.prepare import train_rows
+from verl_tasks.rewards.sandbox import RewardSandbox
+from verl_tasks.store.units import CommitRecord, UnitWriter, read_jsonl
+
+
+def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
+    cfg = ctx.config.rewards
+    unit = ctx.layout.score(epoch, batch)
+
+    def produce(writer: UnitWriter) -> dict[str, Any]:
+        samples = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, batch), "rollout"), "samples.jsonl")
+        rows = {row["id"]: row for row in train_rows(ctx)}
+        requests = [
+            {
+                "id": s["sample_id"],
+                "data_source": rows[s["prompt_id"]]["data_source"],
+                "solution_str": s["response"],
+                "ground_truth": rows[s["prompt_id"]]["ground_truth"],
+                "extra_info": rows[s["prompt_id"]]["extra_info"],
+            }
+            for s in samples
+        ]
+        with RewardSandbox(cfg.function, cfg.timeout_s, cfg.memory_limit_mb) as sandbox:
+            result = sandbox.score(requests, cfg.default_score)
+        fraction = len(result.failures) / max(1, len(samples))
+        if fraction > cfg.max_failure_fraction:
+            examples = "; ".join(f"{k}: {v}" for k, v in list(result.failures.items())[:3])
+            raise RewardFailureRate(
+                unit,
+                f"{len(result.failures)}/{len(samples)} samples could not be scored ({fraction:.0%} > "
+                f"rewards.max_failure_fraction {cfg.max_failure_fraction:.0%}); e.g. {examples}. Fix "
+                f"{cfg.function} or raise the threshold",
+            )
+        writer.write_jsonl(
+            "scores.jsonl",
+            [{"sample_id": s["sample_id"], "score": value} for s, value in zip(samples, result.scores)],
+        )
+        mean = sum(result.scores) / max(1, len(result.scores))
+        return {"samples": len(samples), "reward_mean": mean, "failed_samples": result.failures}
+
+    return run_unit(ctx, "score", unit, epoch, produce, batch=batch)

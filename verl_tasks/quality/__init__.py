@@ -1,0 +1,1 @@
+"""Data-quality gates (Great Expectations) between scoring and the update."""

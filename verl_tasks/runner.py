@@ -1,0 +1,131 @@
+"""Run phases inline, in order, resuming from whatever is committed; and report status.
+
+This is the execution path of the CLI and the tests. Airflow runs the same
+phase functions, one task per unit, through an execution backend.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+from verl_tasks.config import ExperimentConfig
+from verl_tasks.errors import IntegrityError
+from verl_tasks.layout import Layout
+from verl_tasks.phases import BATCHED, PHASE_FUNCTIONS, PhaseContext
+from verl_tasks.phases.evaluate import should_evaluate
+from verl_tasks.phases.snapshot import is_pruned
+from verl_tasks.store import ObjectStore, open_store
+from verl_tasks.store.base import NotFound
+from verl_tasks.store.units import CommitRecord, read_marker
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int | None], None]
+
+
+def store_for(config: ExperimentConfig, credentials: dict[str, str] | None = None) -> ObjectStore:
+    s = config.storage
+    return open_store(s.uri, endpoint_url=s.endpoint_url, region=s.region, sse=s.sse,
+                      sse_kms_key_id=s.sse_kms_key_id, credentials=credentials)
+
+
+def make_context(config: ExperimentConfig, credentials: dict[str, str] | None = None) -> PhaseContext:
+    return PhaseContext(config, store_for(config, credentials))
+
+
+def run_phase(ctx: PhaseContext, phase: str, epoch: int, batch: int | None = None) -> CommitRecord:
+    fn = PHASE_FUNCTIONS[phase]
+    return fn(ctx, epoch, batch) if phase in BATCHED else fn(ctx, epoch)
+
+
+def epoch_units(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[str, int | None]]:
+    """The (phase, batch) units of one epoch in execution order."""
+    batches = range(ctx.config.rollout.batches_per_epoch)
+    units: list[tuple[str, int | None]] = [("plan", None)]
+    units += [("rollout", b) for b in batches]
+    units += [("score", b) for b in batches]
+    units += [("validate", None), ("update", None), ("snapshot", None)]
+    if should_evaluate(ctx, epoch, total_epochs):
+        units.append(("evaluate", None))
+    return units
+
+
+def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
+    snap = ctx.layout.snapshot(epoch + 1)
+    if not ctx.store.exists(f"{snap}/_SUCCESS"):
+        return False
+    return not should_evaluate(ctx, epoch, total_epochs) or ctx.store.exists(f"{ctx.layout.evaluate(epoch)}/_SUCCESS")
+
+
+def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None) -> dict[str, Any]:
+    """Run epochs ``0..epochs-1``; committed units are skipped. Returns the status."""
+    for epoch in range(epochs):
+        if epoch_done(ctx, epoch, epochs):
+            if progress:
+                progress("epoch-skipped", epoch, None)
+            continue
+        for phase, batch in epoch_units(ctx, epoch, epochs):
+            run_phase(ctx, phase, epoch, batch)
+            if progress:
+                progress(phase, epoch, batch)
+    return status(ctx.config, ctx.store)
+
+
+def _metrics(store: ObjectStore, unit: str) -> dict[str, Any]:
+    try:
+        record = read_marker(store, unit)
+    except IntegrityError:
+        return {}
+    return dict(record.meta.get("metrics", {})) if record else {}
+
+
+def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
+    """Per epoch, each phase's state and metrics; the latest snapshot; the base policy's metrics."""
+    layout = Layout(config.experiment)
+    keys = set(store.list(layout.root + "/epochs/")) | set(store.list(layout.snapshots + "/"))
+    epochs = []
+    for epoch in range(config.epochs):
+        phases: dict[str, Any] = {}
+        for phase in PHASE_FUNCTIONS:
+            if phase in BATCHED:
+                units = [layout.unit(phase, epoch, b) for b in range(config.rollout.batches_per_epoch)]
+            else:
+                units = [layout.unit(phase, epoch)]
+            done = sum(f"{u}/_SUCCESS" in keys for u in units)
+            state = "committed" if done == len(units) else ("absent" if done == 0 else f"{done}/{len(units)} committed")
+            if phase == "snapshot" and done and f"{units[0]}/_PRUNED" in keys:
+                state = "pruned"
+            phases[phase] = state
+        metrics = {}
+        if phases["update"] in ("committed",):
+            upd = _metrics(store, layout.update(epoch))
+            metrics.update({k: upd[k] for k in ("reward_mean", "reward_std", "actor/loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/entropy") if k in upd})
+        if phases["evaluate"] == "committed":
+            metrics.update({k: v for k, v in _metrics(store, layout.evaluate(epoch)).items() if k.startswith("eval_")})
+        if any(v != "absent" for v in phases.values()):
+            epochs.append({"epoch": epoch, "phases": phases, "metrics": metrics})
+    latest = None
+    try:
+        pointer = json.loads(store.get(layout.latest))
+        latest = {"epoch": pointer["version"] - 1 if pointer["version"] else None, "version": pointer["version"],
+                  "uri": pointer["uri"], "weights_sha256": pointer["weights_sha256"]}
+    except (NotFound, ValueError, KeyError):
+        pass
+    base_metrics = {k: v for k, v in _metrics(store, layout.base_evaluate).items() if k.startswith("eval_")}
+    safe_mode = None
+    try:
+        safe_mode = json.loads(store.get(layout.safe_mode))
+    except NotFound:
+        pass
+    return {
+        "experiment": config.experiment,
+        "store": store.uri,
+        "epochs": epochs,
+        "latest_snapshot": latest,
+        "base": {"metrics": base_metrics},
+        "safe_mode": safe_mode,
+    }
+
+
+__all__ = ["make_context", "run_phase", "train", "status", "store_for", "is_pruned"]

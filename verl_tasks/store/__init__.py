@@ -1,0 +1,44 @@
+"""Object storage: the only door to S3 and the disk."""
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from verl_tasks.store.base import NotFound, ObjectStore, check_key
+from verl_tasks.store.local import LocalStore
+from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker
+
+__all__ = ["NotFound", "ObjectStore", "LocalStore", "CommitRecord", "UnitWriter", "read_marker", "check_key", "open_store"]
+
+
+def open_store(
+    uri: str,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    sse: str = "none",
+    sse_kms_key_id: str | None = None,
+    credentials: dict[str, str] | None = None,
+) -> ObjectStore:
+    """A store for ``file://PATH`` (relative paths from the working directory) or ``s3://BUCKET/PREFIX``.
+
+    For S3 the endpoint falls back to ``VERL_TASKS_S3_ENDPOINT`` / ``AWS_ENDPOINT_URL_S3``;
+    credentials to boto3's default chain.
+    """
+    if uri.startswith("file://"):
+        return LocalStore(uri[len("file://") :] or ".")
+    if uri.startswith("s3://"):
+        from verl_tasks.store.s3 import S3Store
+
+        parsed = urlparse(uri)
+        endpoint = endpoint_url or os.environ.get("VERL_TASKS_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL_S3")
+        return S3Store(
+            parsed.netloc,
+            parsed.path,
+            endpoint_url=endpoint,
+            region=region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            sse=sse,
+            sse_kms_key_id=sse_kms_key_id,
+            credentials=credentials,
+        )
+    raise ValueError(f"unsupported store URI {uri!r}: use file://PATH or s3://BUCKET/PREFIX")

@@ -1,0 +1,79 @@
+"""The storage protocol every backend implements, and key validation.
+
+Keys are ``/``-separated paths relative to the store root. Only this package
+touches S3 or the disk; everything else speaks in keys.
+"""
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+from verl_tasks.errors import UnsafeKey
+
+
+def check_key(key: str) -> str:
+    """Reject keys that are absolute, empty in a segment, or climb with '..'."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise UnsafeKey(f"unsafe storage key {key!r}: keys are relative '/'-separated paths")
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts[:-1]) or parts[-1] in (".", ".."):
+        raise UnsafeKey(f"unsafe storage key {key!r}: no empty, '.' or '..' segments allowed")
+    return key
+
+
+class NotFound(KeyError):
+    """The key does not exist in the store."""
+
+
+class ObjectStore(abc.ABC):
+    """A flat key -> bytes store with one atomic primitive: put-if-absent."""
+
+    uri: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Write (or overwrite) ``key`` atomically: readers see old or new bytes, never a mix."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist. Returns False if it already existed."""
+
+    @abc.abstractmethod
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a local file (multipart for large files on S3)."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Read ``key``. Raises NotFound."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, path: Path) -> None:
+        """Download ``key`` into a local file. Raises NotFound."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Size in bytes. Raises NotFound."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` (recursive), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+
+    @abc.abstractmethod
+    def copy(self, src: str, dst: str) -> None:
+        """Copy within the store (server-side on S3)."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = self.list(prefix)
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def url(self, key: str) -> str:
+        return f"{self.uri.rstrip('/')}/{key}"

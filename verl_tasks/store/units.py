@@ -1,0 +1,250 @@
+"""The commit protocol: a unit is a folder of files made visible all at once.
+
+::
+
+    <unit>/.attempts/<attempt-id>/<file>...   written first, invisible to readers
+    <unit>/_SUCCESS                           JSON manifest, created only if absent
+
+The marker write is the commit point. It names the attempt and lists each
+file's size and sha256, so a reader can verify what it reads. Two attempts that
+race on one unit both write their own attempt folder; exactly one creates the
+marker, the loser deletes its folder and returns the winner's record.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verl_tasks.errors import IntegrityError, StoreError
+from verl_tasks.store.base import NotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+
+MARKER = "_SUCCESS"
+ATTEMPTS = ".attempts"
+QUARANTINE = ".quarantine"
+FORMAT_VERSION = 1
+
+
+def new_attempt_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:10]
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What a committed unit holds; small and JSON-serialisable (safe for XCom)."""
+
+    unit: str
+    attempt: str
+    files: dict[str, FileEntry]
+    meta: dict[str, Any] = field(default_factory=dict)
+    committed_at: float = 0.0
+
+    def key(self, name: str) -> str:
+        if name not in self.files:
+            raise NotFound(f"{self.unit}/{name}")
+        return f"{self.unit}/{ATTEMPTS}/{self.attempt}/{name}"
+
+    def to_json(self) -> bytes:
+        body = asdict(self)
+        body["format"] = FORMAT_VERSION
+        return json.dumps(body, sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, unit: str, data: bytes) -> "CommitRecord":
+        try:
+            body = json.loads(data)
+            files = {name: FileEntry(int(e["size"]), str(e["sha256"])) for name, e in body["files"].items()}
+            if body["unit"] != unit:
+                raise ValueError(f"marker names unit {body['unit']!r}")
+            return cls(unit, str(body["attempt"]), files, dict(body.get("meta", {})), float(body["committed_at"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise IntegrityError(unit, [f"corrupt {MARKER} marker ({err})"]) from None
+
+
+def read_marker(store: ObjectStore, unit: str) -> CommitRecord | None:
+    """The unit's record, or None if it is not committed. Raises IntegrityError on a corrupt marker."""
+    try:
+        data = store.get(f"{unit}/{MARKER}")
+    except NotFound:
+        return None
+    return CommitRecord.from_json(unit, data)
+
+
+def is_committed(store: ObjectStore, unit: str) -> bool:
+    return store.exists(f"{unit}/{MARKER}")
+
+
+class UnitWriter:
+    """Collects a unit's files under a fresh attempt prefix, then commits them.
+
+    Use ``write_bytes``/``write_json``/``write_file`` for each file, then
+    ``commit(meta)``. Nothing is visible to readers until ``commit`` succeeds.
+    """
+
+    def __init__(self, store: ObjectStore, unit: str, attempt: str | None = None):
+        self.store = store
+        self.unit = unit
+        self.attempt = attempt or new_attempt_id()
+        self.files: dict[str, FileEntry] = {}
+
+    def _attempt_key(self, name: str) -> str:
+        if "/" in name or name.startswith(".") or name == MARKER:
+            raise StoreError(f"invalid file name {name!r} in unit {self.unit}")
+        return f"{self.unit}/{ATTEMPTS}/{self.attempt}/{name}"
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.store.put(self._attempt_key(name), data)
+        self.files[name] = FileEntry(len(data), sha256_bytes(data))
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self.write_bytes(name, json.dumps(obj, sort_keys=True, indent=1).encode())
+
+    def write_jsonl(self, name: str, rows: list[dict[str, Any]]) -> None:
+        self.write_bytes(name, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+
+    def write_file(self, name: str, path: Path) -> None:
+        path = Path(path)
+        self.store.put_file(self._attempt_key(name), path)
+        self.files[name] = FileEntry(path.stat().st_size, sha256_file(path))
+
+    def copy_from(self, record: CommitRecord, name: str, as_name: str | None = None) -> None:
+        """Copy a verified file of another committed unit into this attempt (server-side)."""
+        target = as_name or name
+        self.store.copy(record.key(name), self._attempt_key(target))
+        self.files[target] = record.files[name]
+
+    def commit(self, meta: dict[str, Any] | None = None) -> tuple[CommitRecord, bool]:
+        """Create the marker if absent. Returns (record, won); a loser gets the winner's record."""
+        record = CommitRecord(self.unit, self.attempt, dict(self.files), dict(meta or {}), time.time())
+        if self.store.put_if_absent(f"{self.unit}/{MARKER}", record.to_json()):
+            return record, True
+        self.discard()
+        winner = read_marker(self.store, self.unit)
+        if winner is None:  # pragma: no cover - a marker cannot vanish between the two calls
+            raise StoreError(f"{self.unit}: marker write refused but no marker found")
+        log.info("unit %s was committed by attempt %s first; discarded %s", self.unit, winner.attempt, self.attempt)
+        return winner, False
+
+    def discard(self) -> None:
+        self.store.delete_prefix(f"{self.unit}/{ATTEMPTS}/{self.attempt}/")
+
+
+def read_bytes(store: ObjectStore, record: CommitRecord, name: str, verify: bool = True) -> bytes:
+    """Read one file of a committed unit, checking size and sha256 against the manifest."""
+    try:
+        data = store.get(record.key(name))
+    except NotFound:
+        raise IntegrityError(record.unit, [f"{name}: missing"]) from None
+    if verify:
+        expected = record.files[name]
+        if len(data) != expected.size or sha256_bytes(data) != expected.sha256:
+            raise IntegrityError(
+                record.unit, [f"{name}: size/hash mismatch (have {len(data)} bytes, manifest {expected.size})"]
+            )
+    return data
+
+
+def read_json(store: ObjectStore, record: CommitRecord, name: str) -> Any:
+    return json.loads(read_bytes(store, record, name))
+
+
+def read_jsonl(store: ObjectStore, record: CommitRecord, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in read_bytes(store, record, name).decode().splitlines() if line]
+
+
+def download(store: ObjectStore, record: CommitRecord, name: str, path: Path) -> Path:
+    """Fetch a file of a committed unit to ``path`` and verify it."""
+    try:
+        store.get_file(record.key(name), path)
+    except NotFound:
+        raise IntegrityError(record.unit, [f"{name}: missing"]) from None
+    expected = record.files[name]
+    if path.stat().st_size != expected.size or sha256_file(path) != expected.sha256:
+        raise IntegrityError(record.unit, [f"{name}: size/hash mismatch"])
+    return path
+
+
+def verify_unit(store: ObjectStore, record: CommitRecord) -> list[str]:
+    """Every problem found (missing, wrong size, wrong hash); empty when the unit is intact."""
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, entry in sorted(record.files.items()):
+            local = Path(tmp, "f")
+            try:
+                store.get_file(record.key(name), local)
+            except NotFound:
+                problems.append(f"{name}: missing")
+                continue
+            if local.stat().st_size != entry.size:
+                problems.append(f"{name}: {local.stat().st_size} bytes, manifest says {entry.size}")
+            elif sha256_file(local) != entry.sha256:
+                problems.append(f"{name}: sha256 differs from manifest")
+            os.unlink(local)
+    return problems
+
+
+def quarantine(store: ObjectStore, unit: str, reason: str) -> str | None:
+    """Move a unit's marker aside so the unit reads as absent and can be recomputed.
+
+    The data stays (for a post-mortem) until ``gc``. Returns the quarantine key.
+    """
+    try:
+        data = store.get(f"{unit}/{MARKER}")
+    except NotFound:
+        return None
+    key = f"{unit}/{QUARANTINE}/{new_attempt_id()}.json"
+    store.put(key, json.dumps({"reason": reason, "marker": data.decode(errors="replace")}).encode())
+    store.delete(f"{unit}/{MARKER}")
+    log.warning("quarantined %s: %s", unit, reason)
+    return key
+
+
+def garbage_attempts(store: ObjectStore, prefix: str) -> list[str]:
+    """Attempt folders under ``prefix`` that no marker names (losers, crashed attempts)."""
+    keys = store.list(prefix)
+    markers: dict[str, str | None] = {}
+    for key in keys:
+        if key.endswith("/" + MARKER):
+            unit = key[: -len(MARKER) - 1]
+            try:
+                rec = read_marker(store, unit)
+                markers[unit] = rec.attempt if rec else None
+            except IntegrityError:
+                markers[unit] = None
+    garbage: set[str] = set()
+    for key in keys:
+        marker_at = key.find(f"/{ATTEMPTS}/")
+        if marker_at < 0:
+            continue
+        unit = key[:marker_at]
+        attempt = key[marker_at + len(ATTEMPTS) + 2 :].split("/", 1)[0]
+        if markers.get(unit) != attempt:
+            garbage.add(f"{unit}/{ATTEMPTS}/{attempt}/")
+    return sorted(garbage)
