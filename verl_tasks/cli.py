@@ -59,6 +59,7 @@ def run(
     store: Optional[str] = typer.Option(None, help="store URI (file://PATH or s3://BUCKET/PREFIX)"),
     experiment: Optional[str] = typer.Option(None, help="experiment name (overrides the YAML)"),
     epochs: Optional[int] = typer.Option(None, help="train until this many epochs are committed"),
+    report: Optional[Path] = typer.Option(None, help="write the reward/accuracy curve as a Markdown table here"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run every phase inline, in order, resuming from whatever is committed."""
@@ -84,6 +85,12 @@ def run(
 
             result = train(ctx, cfg.epochs, progress)
         _print_summary(result)
+        if report:
+            from verl_tasks.report import curve_markdown
+
+            report.parent.mkdir(parents=True, exist_ok=True)
+            report.write_text(curve_markdown(result))
+            console.print(f"curve written to {report}")
         console.print(f"done in {time.monotonic() - started:.1f}s")
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the unit in progress was not committed and will rerun next time")

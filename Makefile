@@ -1,0 +1,37 @@
+# verl-tasks: `make demo` runs the main job; `make test` runs the tests. Both install first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+.PHONY: install demo test test-quick chaos bench airflow lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	bash scripts/demo.sh
+
+test: install
+	$(BIN)/python -m pytest -q -m "not chaos_full" tests
+
+test-quick: install
+	$(BIN)/python -m pytest -q -m "not slow and not airflow and not chaos_full" tests
+
+chaos: install
+	$(BIN)/python -m pytest -q -m "chaos or chaos_full" tests
+
+bench: install
+	$(BIN)/python benchmarks/run.py
+
+airflow: install
+	bash scripts/airflow_ui.sh
+
+clean:
+	rm -rf .store .airflow .ray-local build *.egg-info

@@ -1,0 +1,158 @@
+"""Build one DAG per experiment YAML: ``build_dag("dags/experiments/tiny_arith.yaml")``.
+
+Shape (``E`` epochs from the YAML, ``B`` = ``rollout.batches_per_epoch``)::
+
+    configure -> epoch_000[ plan -> rollout[B] -> score[B] -> validate -> update -> snapshot (-> evaluate) ]
+              -> epoch_001[ plan ... ] -> ...
+
+Every task is one idempotent unit (see :mod:`verl_tasks.airflow.operators`); the next
+epoch's ``plan`` waits for this epoch's ``snapshot`` (``evaluate`` is a side branch).
+Importing this module imports neither torch nor ray.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import DAG, Asset, Param, TaskGroup
+
+from verl_tasks.airflow import runconfig
+from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
+from verl_tasks.config import NAME_PATTERN, parse_config
+
+GPU_POOL = "verl_gpu"
+GPU_PHASES = ("rollout", "update")
+
+PHASE_DOCS = {
+    "plan": "Writes `epochs/NNNNN/plan/plan.json`: which prompts go to which rollout batch, with which seeds. "
+            "On the first epoch it also pins the data and the base snapshot.",
+    "rollout": "One task instance per batch. Writes `epochs/NNNNN/rollout/bBBBB/samples.jsonl`: a group of samples "
+               "per prompt from the current policy, seeded by (seed, epoch, batch).",
+    "score": "One task instance per batch. Writes `epochs/NNNNN/score/bBBBB/scores.jsonl` (reward function in a sandbox).",
+    "validate": "Great Expectations gate on the epoch's scored samples; writes `validate/report.json` or fails.",
+    "update": "GRPO/PPO-clipped update of the policy on the epoch's samples; writes new weights, optimizer state and metrics.",
+    "snapshot": "Publishes policy version epoch+1 under `snapshots/NNNNN/`, moves `latest.json`, applies retention.",
+    "evaluate": "Greedy evaluation of the new policy on the held-out prompts; writes `evaluate/metrics.json`.",
+}
+RETRY_DOC = (
+    "\n\n**Retry / Clear**: the task first looks for its unit's `_SUCCESS` marker and returns at once if it "
+    "exists; otherwise it runs the phase again (attaching to a still-running Ray job of the same unit). A "
+    "half-written attempt is never visible, so clearing this task redoes exactly this unit and nothing is "
+    "counted twice."
+)
+
+
+def snapshot_asset(dag_id: str) -> Asset:
+    """The Asset a DAG's final snapshot task updates (event extra: experiment, version, uri, sha256)."""
+    return Asset(name=f"verl-tasks/{dag_id}/snapshots", uri=f"verl-tasks://{dag_id}/snapshots")
+
+
+def _params(raw: dict[str, Any], cfg) -> dict[str, Param]:
+    algo, roll = cfg.algorithm, cfg.rollout
+    current = {"lr": algo.lr, "group_size": algo.group_size, "temperature": roll.temperature, "kl_coef": algo.kl_coef,
+               "clip_ratio_high": algo.clip_ratio_high, "prompts_per_batch": roll.prompts_per_batch}
+    params = {
+        "experiment": Param(cfg.experiment, type="string", pattern=NAME_PATTERN.pattern, title="Experiment name",
+                            description="Storage prefix of the run. Reuse a name to resume it; a different "
+                                        "hyperparameter under an existing name is refused."),
+        "resume": Param("latest", enum=list(runconfig.RESUME_MODES), title="Resume",
+                        description="latest: continue from what is committed. fresh: the name must be new. "
+                                    "snapshot: a new experiment starting from snapshot `from_snapshot` of `parent`."),
+        "from_snapshot": Param(None, type=["null", "integer"], minimum=0, title="From snapshot (resume=snapshot)"),
+        "parent": Param(None, type=["null", "string"], title="Parent experiment (resume=snapshot)",
+                        description=f"Defaults to {cfg.experiment!r}."),
+        "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=cfg.epochs, title="Epochs",
+                        description="At most the epochs in the YAML (the DAG's shape); later epoch groups skip."),
+        "overrides": Param({}, type="object", title="Other overrides",
+                           description='Dotted config keys, e.g. {"algorithm.clip_ratio_low": 0.2}'),
+    }
+    for name, (dotted, kind) in runconfig.HYPERPARAMETERS.items():
+        spec: dict[str, Any] = {"type": kind, "title": name, "description": f"config key {dotted}"}
+        if kind == "integer":
+            spec["minimum"] = 1
+        else:
+            spec["minimum"] = 0
+        params[name] = Param(current[name], **spec)
+    return params
+
+
+def _schedule(cfg) -> Any:
+    if cfg.schedule.asset:
+        return [Asset(cfg.schedule.asset)]
+    return cfg.schedule.cron
+
+
+def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str | None = None,
+              gpu_pool: str = GPU_POOL, ray_conn_id: str | None = "ray_default", aws_conn_id: str | None = None,
+              tags: list[str] | None = None) -> DAG:
+    """A DAG for one experiment YAML. Raises ConfigError when the YAML is invalid."""
+    yaml_path = Path(yaml_path).resolve()
+    raw = runconfig.read_yaml(yaml_path)
+    cfg = parse_config(raw)
+    dag_id = dag_id or yaml_path.stem
+    ft = cfg.fault_tolerance
+    default_args: dict[str, Any] = {
+        "retries": ft.retries,
+        "retry_delay": timedelta(seconds=ft.retry_delay_s),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": timedelta(seconds=ft.max_retry_delay_s),
+    }
+    asset = snapshot_asset(dag_id)
+    doc = (
+        f"### {cfg.experiment}: RL post-training as idempotent tasks\n\n"
+        f"Built from `{yaml_path.name}`: {cfg.epochs} epochs x {cfg.rollout.batches_per_epoch} rollout batches of "
+        f"{cfg.rollout.prompts_per_batch} prompts x {cfg.algorithm.group_size} samples; model `{cfg.model.source}`; "
+        f"store `{cfg.storage.uri}`.\n\nEach task commits one unit under a `_SUCCESS` marker; clearing any task "
+        f"(or the whole run) redoes only what is missing. The final snapshot updates the asset `{asset.uri}`."
+        + (f"\n\nScheduled runs start a new experiment `{cfg.experiment}-<timestamp>`"
+           + (f" from `{cfg.schedule.parent}`'s latest snapshot." if cfg.schedule.parent else ".")
+           if (cfg.schedule.cron or cfg.schedule.asset) else "")
+    )
+    common = {"config_path": str(yaml_path), "backend": backend, "ray_conn_id": ray_conn_id, "aws_conn_id": aws_conn_id}
+    with DAG(
+        dag_id=dag_id,
+        schedule=_schedule(cfg),
+        start_date=datetime(2024, 1, 1),
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args,
+        params=_params(raw, cfg),
+        doc_md=doc,
+        tags=tags or ["verl-tasks", "rl"],
+        render_template_as_native_obj=False,
+    ) as dag:
+        configure = ConfigureExperimentOperator(
+            task_id="configure", config_path=str(yaml_path), aws_conn_id=aws_conn_id, retries=0,
+            doc_md="Validates the trigger form and pins the experiment (config hash) before any compute. "
+                   "A changed hyperparameter under an existing experiment name fails here with the differing keys.",
+        )
+        previous = configure
+        for epoch in range(cfg.epochs):
+            with TaskGroup(group_id=f"epoch_{epoch:03d}", tooltip=f"epoch {epoch} -> policy version {epoch + 1}"):
+                tasks = {}
+                for phase in ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate"):
+                    if phase == "evaluate" and not runconfig.should_evaluate(epoch, cfg.epochs, cfg.evaluate.every):
+                        continue
+                    kwargs: dict[str, Any] = dict(common, task_id=phase, phase=phase, epoch=epoch,
+                                                  doc_md=PHASE_DOCS[phase] + RETRY_DOC)
+                    timeout = ft.timeout_s.get(phase)
+                    if timeout:
+                        kwargs["execution_timeout"] = timedelta(seconds=timeout)
+                    if phase in GPU_PHASES and gpu_pool:
+                        kwargs["pool"] = gpu_pool
+                    if phase == "snapshot" and epoch == cfg.epochs - 1:
+                        kwargs["outlets"] = [asset]
+                        kwargs["snapshot_asset"] = asset
+                    if phase in ("rollout", "score"):
+                        tasks[phase] = VerlPhaseOperator.partial(
+                            map_index_template="batch {{ task.batch }}", **kwargs
+                        ).expand(batch=list(range(cfg.rollout.batches_per_epoch)))
+                    else:
+                        tasks[phase] = VerlPhaseOperator(**kwargs)
+                previous >> tasks["plan"] >> tasks["rollout"] >> tasks["score"] >> tasks["validate"]
+                tasks["validate"] >> tasks["update"] >> tasks["snapshot"]
+                if "evaluate" in tasks:
+                    tasks["snapshot"] >> tasks["evaluate"]
+                previous = tasks["snapshot"]
+    return dag

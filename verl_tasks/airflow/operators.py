@@ -1,0 +1,258 @@
+"""Thin operators: resolve the run's config, check the unit's marker, hand the unit to a backend.
+
+``VerlPhaseOperator`` runs one unit (a phase of an epoch, a batch for rollout/score):
+
+1. the unit's ``_SUCCESS`` marker exists -> return its summary at once (Clear is safe);
+2. ``backend="ray"``: submit through :class:`RayJobBackend` (attaching to a live job of the
+   unit if there is one) and defer to :class:`RayJobTrigger`; ``execute_complete`` raises
+   :class:`JobFailed` with the job id and log tail, else reads the marker;
+3. ``backend="inline"``: run the phase in the worker (tests, ``airflow dags test``).
+
+XCom gets ``{"unit", "attempt", "metrics"}`` only: keys and small numbers, no credentials.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from functools import cached_property
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowSkipException
+
+from verl_tasks.airflow import runconfig
+from verl_tasks.airflow.connections import credential_env, s3_access
+from verl_tasks.errors import ConfigError, JobFailed, PhaseFailed
+from verl_tasks.execution import UnitSpec
+from verl_tasks.execution.inline import record_summary
+from verl_tasks.layout import Layout
+
+log = logging.getLogger(__name__)
+BACKENDS = ("ray", "inline")
+FAIL_ONCE_CONF = "fail_once"
+
+
+def default_backend() -> str:
+    return os.environ.get("VERL_TASKS_BACKEND", "ray")
+
+
+class _RunConfigMixin:
+    config_path: str
+    aws_conn_id: str | None
+
+    def resolve(self, context: Any):
+        """(config, S3Access) of this run; the connection named in the YAML wins over the operator's."""
+        raw_conn = (runconfig.read_yaml(self.config_path).get("storage") or {}).get("aws_conn_id")
+        access = s3_access(raw_conn or self.aws_conn_id)
+        cfg = runconfig.resolve(self.config_path, context.get("params"), context.get("dag_run"), access.endpoint_url)
+        return cfg, access
+
+    @staticmethod
+    def store(cfg, access):
+        from verl_tasks.store import open_store
+
+        s = cfg.storage
+        return open_store(s.uri, endpoint_url=s.endpoint_url or access.endpoint_url, region=s.region or access.region,
+                          sse=s.sse, sse_kms_key_id=s.sse_kms_key_id, credentials=access.credentials)
+
+
+class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
+    """Validate the trigger form and pin the experiment before any compute.
+
+    * ``resume=latest``: pin the config; a changed hyperparameter under an existing
+      experiment name fails with :class:`ConfigMismatch` listing the differing keys.
+    * ``resume=fresh``: the experiment name must be new.
+    * ``resume=snapshot``: a new experiment whose base is snapshot ``from_snapshot`` of
+      ``parent`` (default: the YAML's experiment).
+    * scheduled / asset-triggered runs: a new experiment per run; with ``schedule.parent``
+      its base is the parent's latest snapshot (continual training).
+    """
+
+    ui_color = "#e8f0fe"
+
+    def __init__(self, *, config_path: str, aws_conn_id: str | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.config_path = str(config_path)
+        self.aws_conn_id = aws_conn_id
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        params = dict(context.get("params") or {})
+        cfg, access = self.resolve(context)
+        store = self.store(cfg, access)
+        layout = Layout(cfg.experiment)
+        exists = store.exists(layout.experiment_json)
+        mode = params.get("resume") or "latest"
+        if mode not in runconfig.RESUME_MODES:
+            raise ConfigError(f"params.resume={mode!r}; use one of {runconfig.RESUME_MODES}")
+        parent = None
+        scheduled = runconfig.run_type_of(context.get("dag_run")) in runconfig.SCHEDULED_RUN_TYPES
+        if mode == "fresh" and exists:
+            raise ConfigError(f"experiment {cfg.experiment!r} already exists in {cfg.storage.uri}; "
+                              f"pick a new name or use resume=latest")
+        from verl_tasks.execution.lineage import latest_version, seed_base_from
+
+        if mode == "snapshot":
+            if params.get("from_snapshot") is None:
+                raise ConfigError("resume=snapshot needs params.from_snapshot (a snapshot version)")
+            source = params.get("parent") or runconfig.read_yaml(self.config_path)["experiment"]
+            if source == cfg.experiment:
+                raise ConfigError("resume=snapshot starts a new experiment: set params.experiment to a new name")
+            parent = (source, int(params["from_snapshot"]))
+        elif scheduled and cfg.schedule.parent:
+            version = latest_version(store, cfg.schedule.parent)
+            if version is None:
+                self.log.info("parent %s has no snapshot yet; starting from the configured base", cfg.schedule.parent)
+            else:
+                parent = (cfg.schedule.parent, version)
+        from verl_tasks.phases.common import PhaseContext
+        from verl_tasks.phases.prepare import pin_experiment
+
+        origin = None
+        if parent:
+            origin = seed_base_from(store, cfg.experiment, parent[0], parent[1], cfg.seed)["parent"]
+        pinned = pin_experiment(PhaseContext(cfg, store), parent=origin)
+        self.log.info("experiment %s pinned (config %s) in %s; resume=%s parent=%s",
+                      cfg.experiment, cfg.config_hash()[:12], cfg.storage.uri, mode, origin)
+        return {"experiment": cfg.experiment, "config_hash": cfg.config_hash(), "resume": mode,
+                "epochs": cfg.epochs, "parent": pinned.get("parent"), "store": cfg.storage.uri}
+
+
+class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
+    """Run one phase unit; skip it when committed. See the module docstring.
+
+    Args:
+        config_path: the experiment YAML the DAG was built from.
+        phase: plan, rollout, score, validate, update, snapshot or evaluate.
+        epoch: the epoch index.
+        batch: the batch index (rollout and score; usually mapped with ``expand``).
+        backend: ``ray`` (default, env ``VERL_TASKS_BACKEND``) or ``inline``.
+        ray_conn_id: connection holding the Ray dashboard address and token.
+        aws_conn_id: AWS connection for S3 (the YAML's ``storage.aws_conn_id`` wins).
+        forward_credentials: pass the connection's S3 keys to the Ray job's environment.
+        snapshot_asset: for the snapshot task, the Asset whose event announces the new snapshot.
+    """
+
+    ui_color = "#fdf1e1"
+    template_fields = ()
+
+    def __init__(self, *, config_path: str, phase: str, epoch: int, batch: int | None = None,
+                 backend: str | None = None, ray_conn_id: str | None = "ray_default",
+                 aws_conn_id: str | None = None, forward_credentials: bool = True, poll_interval: float = 1.0,
+                 snapshot_asset: Any = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.config_path = str(config_path)
+        self.phase = phase
+        self.epoch = epoch
+        self.batch = batch
+        self.backend = backend or default_backend()
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r}; use one of {BACKENDS}")
+        self.ray_conn_id = ray_conn_id
+        self.aws_conn_id = aws_conn_id
+        self.forward_credentials = forward_credentials
+        self.poll_interval = poll_interval
+        self.snapshot_asset = snapshot_asset
+        self._job_id: str | None = None
+
+    # -- helpers -------------------------------------------------------------------
+    def _spec(self, cfg) -> UnitSpec:
+        return UnitSpec(cfg.experiment, self.phase, self.epoch, self.batch)
+
+    @cached_property
+    def ray(self):
+        from verl_tasks.airflow.connections import ray_target
+        from verl_tasks.execution.ray_jobs import RayJobBackend
+
+        return RayJobBackend(ray_target(self.ray_conn_id))
+
+    def _skip_reason(self, cfg) -> str | None:
+        if self.epoch >= cfg.epochs:
+            return f"this run trains {cfg.epochs} epoch(s); epoch {self.epoch} is not part of it"
+        if self.phase == "evaluate" and not runconfig.should_evaluate(self.epoch, cfg.epochs, cfg.evaluate.every):
+            return f"evaluate.every={cfg.evaluate.every}: no evaluation after epoch {self.epoch}"
+        return None
+
+    def _fault_env(self, context: Any, cfg) -> dict[str, str]:
+        """Test hook: conf ``fail_once`` = {phase, epoch, batch, flag} makes that unit's job fail once."""
+        conf = getattr(context.get("dag_run"), "conf", None) or {}
+        fault = conf.get(FAIL_ONCE_CONF) if isinstance(conf, dict) else None
+        if not fault:
+            return {}
+        if (fault.get("phase"), fault.get("epoch"), fault.get("batch")) == (self.phase, self.epoch, self.batch):
+            return {"VERL_TASKS_FAIL_ONCE": str(fault["flag"])}
+        return {}
+
+    def _finish(self, context: Any, cfg, store, record) -> dict[str, Any]:
+        summary = record_summary(record)
+        if self.phase == "snapshot" and self.snapshot_asset is not None:
+            events = context.get("outlet_events")
+            if events is not None:
+                events[self.snapshot_asset].extra = {
+                    "experiment": cfg.experiment, "version": self.epoch + 1, "uri": store.url(record.unit),
+                    "weights_sha256": (record.meta or {}).get("weights_sha256"),
+                }
+        return summary
+
+    # -- Airflow entry points ----------------------------------------------------
+    def execute(self, context: Any) -> dict[str, Any]:
+        from verl_tasks.store.units import read_marker
+
+        cfg, access = self.resolve(context)
+        reason = self._skip_reason(cfg)
+        if reason:
+            raise AirflowSkipException(reason)
+        store = self.store(cfg, access)
+        spec = self._spec(cfg)
+        unit = Layout(cfg.experiment).unit(self.phase, self.epoch, self.batch)
+        record = read_marker(store, unit)
+        if record is not None:
+            self.log.info("%s is committed (attempt %s): nothing to do", unit, record.attempt)
+            return self._finish(context, cfg, store, record)
+        fault = self._fault_env(context, cfg)
+        if self.backend == "inline":
+            from verl_tasks.execution.entry import maybe_fail_once
+            from verl_tasks.execution.inline import InlineBackend
+
+            maybe_fail_once(fault.get("VERL_TASKS_FAIL_ONCE"))
+            record = InlineBackend().run(cfg, spec, access.credentials)
+            return self._finish(context, cfg, store, record)
+        env = {**(credential_env(access) if self.forward_credentials else {}), **fault}
+        handle = self.ray.submit(cfg, spec, env=env)
+        if handle.status == "SUCCEEDED":
+            record = read_marker(store, unit)
+            if record is not None:
+                self.log.info("Ray job %s already committed %s", handle.submission_id, unit)
+                return self._finish(context, cfg, store, record)
+            handle = self.ray.submit(cfg, spec, env=env, resubmit_succeeded=True)
+        self._job_id = handle.submission_id
+        self.log.info("%s Ray job %s for %s", "submitted" if handle.submitted else "attached to", handle.submission_id, unit)
+        from verl_tasks.airflow.triggers import RayJobTrigger
+
+        self.defer(
+            trigger=RayJobTrigger(handle.submission_id, self.ray_conn_id, self.poll_interval),
+            method_name="execute_complete",
+            kwargs={"submission_id": handle.submission_id},
+            timeout=self.execution_timeout,
+        )
+
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None,
+                         submission_id: str | None = None) -> dict[str, Any]:
+        from verl_tasks.store.units import read_marker
+
+        event = event or {}
+        job_id = event.get("submission_id") or submission_id or "?"
+        if event.get("status") != "SUCCEEDED":
+            raise JobFailed(job_id, str(event.get("status", "unknown event")), event.get("log_tail", ""))
+        cfg, access = self.resolve(context)
+        store = self.store(cfg, access)
+        unit = Layout(cfg.experiment).unit(self.phase, self.epoch, self.batch)
+        record = read_marker(store, unit)
+        if record is None:
+            raise PhaseFailed(unit, f"Ray job {job_id} succeeded but the unit has no _SUCCESS marker")
+        self.log.info("Ray job %s committed %s (attempt %s)", job_id, unit, record.attempt)
+        return self._finish(context, cfg, store, record)
+
+    def on_kill(self) -> None:
+        if self._job_id and self.backend == "ray":
+            self.log.info("stopping Ray job %s", self._job_id)
+            self.ray.stop(self._job_id)

@@ -1,0 +1,133 @@
+"""Airflow plugin: a "Training" page inside Airflow with, per experiment, the epochs, each phase's
+state, the reward / accuracy curve (inline SVG), the latest snapshot and the recent events.
+
+Mounted on the api-server at ``/verl-tasks`` (``fastapi_apps``) and linked from the nav bar
+(``external_views``). Data comes from ``verl_tasks.runner.status`` and ``verl_tasks.events.read_events``;
+the experiments listed are those of the YAML files in ``dags/experiments`` (plus ``?experiment=NAME``).
+"""
+from __future__ import annotations
+
+import html
+import os
+from pathlib import Path
+from typing import Any
+
+from airflow.plugins_manager import AirflowPlugin
+
+PREFIX = "/verl-tasks"
+
+
+def experiments_dir() -> Path:
+    configured = os.environ.get("VERL_TASKS_EXPERIMENTS_DIR")
+    if configured:
+        return Path(configured)
+    from airflow.configuration import conf
+
+    return Path(conf.get("core", "dags_folder")) / "experiments"
+
+
+def _svg_curve(rows: list[dict[str, Any]], base: float | None) -> str:
+    """Two polylines over epochs: reward_mean (orange) and eval_accuracy (blue), both in [0, 1]."""
+    width, height, pad = 560, 200, 30
+    n = max(1, len(rows))
+    series = {"reward_mean": "#e8710a", "eval_accuracy": "#1a73e8"}
+    parts = [f'<svg width="{width}" height="{height}" role="img" aria-label="reward and accuracy per epoch">',
+             f'<rect x="{pad}" y="10" width="{width - 2 * pad}" height="{height - 40}" fill="#fafafa" stroke="#ddd"/>']
+
+    def xy(i: int, v: float) -> tuple[float, float]:
+        x = pad + (width - 2 * pad) * (i + 1) / n
+        y = 10 + (height - 40) * (1 - max(0.0, min(1.0, v)))
+        return x, y
+
+    for key, colour in series.items():
+        pts = [(i, r["metrics"][key]) for i, r in enumerate(rows) if key in r["metrics"]]
+        if key == "eval_accuracy" and base is not None:
+            pts = [(-1, base)] + pts
+        if pts:
+            coords = " ".join("%.1f,%.1f" % xy(i, v) for i, v in pts)
+            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{coords}"/>')
+            parts += [f'<circle cx="{xy(i, v)[0]:.1f}" cy="{xy(i, v)[1]:.1f}" r="3" fill="{colour}"><title>{key} epoch {i}: {v:.3f}</title></circle>' for i, v in pts]
+    parts.append(f'<text x="{pad}" y="{height - 8}" font-size="11">reward_mean (orange), eval_accuracy (blue); x = epoch, y in [0, 1]</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_experiment(cfg, store) -> str:
+    from verl_tasks.events import read_events
+    from verl_tasks.layout import Layout
+    from verl_tasks.runner import status
+
+    st = status(cfg, store)
+    e = html.escape
+    phases = ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate")
+    head = "".join(f"<th>{p}</th>" for p in phases)
+    body = []
+    for row in st["epochs"]:
+        m = row["metrics"]
+        cells = "".join(f'<td class="{e(row["phases"][p].split("/")[0] if "/" not in row["phases"][p] else "partial")}">{e(row["phases"][p])}</td>' for p in phases)
+        body.append(f"<tr><td>{row['epoch']}</td>{cells}<td>{m.get('reward_mean', float('nan')):.3f}</td>"
+                    f"<td>{m.get('eval_accuracy', float('nan')):.3f}</td></tr>")
+    base = st["base"]["metrics"].get("eval_accuracy")
+    events = read_events(store, Layout(cfg.experiment), limit=15)
+    ev = "".join(
+        f"<tr><td>{e(str(x.get('kind')))}</td><td>{e(str(x.get('unit', '')))}</td><td>{e(str(x.get('attempt', ''))[:26])}</td>"
+        f"<td>{e(str(x.get('duration_s', '')))}</td><td>{e(str(x.get('error', ''))[:160])}</td></tr>" for x in reversed(events)
+    )
+    latest = st["latest_snapshot"]
+    latest_html = (f"version {latest['version']} at <code>{e(latest['uri'])}</code> (sha256 {e(latest['weights_sha256'][:16])}…)"
+                   if latest else "none yet")
+    safe = f'<p class="alert">SAFE MODE: {e(str(st["safe_mode"]))}</p>' if st["safe_mode"] else ""
+    return (
+        f"<h2>{e(cfg.experiment)}</h2><p>store <code>{e(st['store'])}</code> · latest snapshot: {latest_html}"
+        f"{' · base accuracy %.3f' % base if base is not None else ''}</p>{safe}"
+        f"{_svg_curve(st['epochs'], base)}"
+        f"<table><tr><th>epoch</th>{head}<th>reward</th><th>eval acc</th></tr>{''.join(body)}</table>"
+        f"<h3>Recent events</h3><table><tr><th>kind</th><th>unit</th><th>attempt</th><th>s</th><th>error</th></tr>{ev}</table>"
+    )
+
+
+STYLE = """<style>body{font-family:system-ui,sans-serif;margin:1.5rem;color:#222}table{border-collapse:collapse;margin:.5rem 0 1rem}
+td,th{border:1px solid #ddd;padding:3px 8px;font-size:13px}td.committed{background:#e6f4ea}td.absent{color:#999}
+td.partial{background:#fef7e0}td.pruned{background:#eee}.alert{color:#b00;font-weight:bold}code{font-size:12px}</style>"""
+
+
+def create_app():
+    from fastapi import FastAPI, Query
+    from fastapi.responses import HTMLResponse
+
+    app = FastAPI(title="verl-tasks dashboard")
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard(experiment: str | None = Query(None)) -> str:
+        from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
+        from verl_tasks.config import parse_config
+        from verl_tasks.runner import store_for
+
+        sections = []
+        for path in sorted(experiments_dir().glob("*.yaml")):
+            try:
+                raw = read_yaml(path)
+                overrides = {"storage.uri": _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))}
+                if experiment:
+                    overrides["experiment"] = experiment
+                cfg = parse_config(raw, overrides)
+                sections.append(f"<p class=src>from <code>{html.escape(path.name)}</code></p>" + render_experiment(cfg, store_for(cfg)))
+            except Exception as err:  # noqa: BLE001 - one broken experiment must not hide the others
+                sections.append(f"<p class=alert>{html.escape(path.name)}: {html.escape(type(err).__name__ + ': ' + str(err))}</p>")
+            if experiment:
+                break
+        form = ('<form method="get"><label>experiment <input name="experiment" value="%s"></label> <button>show</button></form>'
+                % html.escape(experiment or ""))
+        return f"<!doctype html><html><head><title>verl-tasks</title>{STYLE}</head><body><h1>verl-tasks training</h1>{form}{''.join(sections)}</body></html>"
+
+    return app
+
+
+class VerlTasksPlugin(AirflowPlugin):
+    name = "verl_tasks"
+
+    # Creating the app is cheap; the store, torch and status code load on the first request.
+    fastapi_apps = [{"app": create_app(), "url_prefix": PREFIX, "name": "verl-tasks dashboard"}]
+
+    external_views = [{"name": "Training", "href": PREFIX + "/", "destination": "nav", "category": "browse",
+                       "url_route": "verl-tasks"}]

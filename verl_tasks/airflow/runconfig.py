@@ -1,0 +1,99 @@
+"""Resolve the experiment config of one DAG run: YAML + trigger-form params + run type.
+
+Every task of a run calls :func:`resolve` and gets the same config (it depends only
+on the YAML, the run's params and the run's type and time), so no config travels
+through XCom. The ``configure`` task validates it, before any compute.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from verl_tasks.config import ExperimentConfig, parse_config
+from verl_tasks.errors import ConfigError
+
+# Trigger-form fields that are hyperparameters -> dotted config keys.
+HYPERPARAMETERS = {
+    "lr": ("algorithm.lr", "number"),
+    "group_size": ("algorithm.group_size", "integer"),
+    "temperature": ("rollout.temperature", "number"),
+    "kl_coef": ("algorithm.kl_coef", "number"),
+    "clip_ratio_high": ("algorithm.clip_ratio_high", "number"),
+    "prompts_per_batch": ("rollout.prompts_per_batch", "integer"),
+}
+RESUME_MODES = ("latest", "fresh", "snapshot")
+SCHEDULED_RUN_TYPES = ("scheduled", "asset_triggered", "backfill")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    raw = yaml.safe_load(Path(path).read_text())
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return raw
+
+
+def _absolute_store(uri: str) -> str:
+    """``file://.store`` -> ``file:///abs/.store`` (resolved here, so a Ray job's cwd does not matter)."""
+    if uri.startswith("file://") and not uri.startswith("file:///"):
+        root = Path(os.environ.get("VERL_TASKS_STORE_ROOT", os.getcwd()))
+        return "file://" + str((root / uri[len("file://"):]).resolve())
+    return uri
+
+
+def run_type_of(dag_run: Any) -> str:
+    value = getattr(dag_run, "run_type", None) if dag_run is not None else None
+    return str(getattr(value, "value", value) or "manual")
+
+
+def run_stamp(dag_run: Any) -> str:
+    when = getattr(dag_run, "logical_date", None) or getattr(dag_run, "run_after", None) or datetime.utcnow()
+    return when.strftime("%Y%m%dT%H%M%S")
+
+
+def experiment_name(raw: dict[str, Any], params: dict[str, Any], dag_run: Any) -> str:
+    """Manual runs: the form's name. Scheduled/asset runs: a new experiment per run, ``<name>-<stamp>``."""
+    name = params.get("experiment") or raw["experiment"]
+    if run_type_of(dag_run) in SCHEDULED_RUN_TYPES:
+        return f"{raw['experiment']}-{run_stamp(dag_run)}"
+    return name
+
+
+def overrides_from(params: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (dotted, _) in HYPERPARAMETERS.items():
+        if params.get(name) is not None:
+            out[dotted] = params[name]
+    if params.get("epochs") is not None:
+        out["epochs"] = params["epochs"]
+    extra = params.get("overrides") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError("params.overrides must be an object of dotted config keys, e.g. {\"algorithm.lr\": 0.0005}")
+    out.update(extra)
+    return out
+
+
+def resolve(yaml_path: str | Path, params: dict[str, Any] | None, dag_run: Any = None,
+            endpoint_url: str | None = None) -> ExperimentConfig:
+    """The run's config. Raises ConfigError naming the bad key."""
+    params = dict(params or {})
+    raw = read_yaml(yaml_path)
+    overrides = overrides_from(params)
+    overrides["experiment"] = experiment_name(raw, params, dag_run)
+    overrides["storage.uri"] = _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))
+    if endpoint_url and not (raw.get("storage") or {}).get("endpoint_url"):
+        overrides["storage.endpoint_url"] = endpoint_url
+    cfg = parse_config(raw, overrides)
+    dag_epochs = int(raw.get("epochs", cfg.epochs))
+    if cfg.epochs > dag_epochs:
+        raise ConfigError(f"params.epochs={cfg.epochs} exceeds the {dag_epochs} epochs this DAG was built with; "
+                          f"raise epochs in {yaml_path} (the DAG's shape) instead")
+    return cfg
+
+
+def should_evaluate(epoch: int, total_epochs: int, every: int) -> bool:
+    """Mirror of ``verl_tasks.phases.evaluate.should_evaluate`` without importing torch."""
+    return epoch == total_epochs - 1 or (every > 0 and (epoch + 1) % every == 0)

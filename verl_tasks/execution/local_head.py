@@ -1,0 +1,177 @@
+"""Start and stop a project-local Ray head (CPU) that never touches other Ray processes.
+
+    python -m verl_tasks.execution.local_head start [--state-dir .ray-head] [--port 6399] [--dashboard-port 8275]
+    python -m verl_tasks.execution.local_head stop  [--state-dir .ray-head]
+    python -m verl_tasks.execution.local_head env   [--state-dir .ray-head]   # shell exports for clients
+
+The head runs ``ray start --head --block`` under ``setsid`` with its own
+``RAY_TMPDIR`` and its own token file (token authentication stays on). Its PID
+is recorded in the state directory; ``stop`` sends SIGTERM to that process
+group leader and waits. ``ray stop`` is never used: it kills every Ray process
+on the machine by name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HeadInfo:
+    pid: int
+    address: str
+    gcs_address: str
+    token_file: str
+    tmpdir: str
+    log_file: str
+
+    def client_env(self) -> dict[str, str]:
+        """Environment a client (Airflow worker, triggerer, test) needs to use this head."""
+        return {"VERL_TASKS_RAY_ADDRESS": self.address, "RAY_AUTH_TOKEN_PATH": self.token_file}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_info(state_dir: Path) -> HeadInfo | None:
+    path = Path(state_dir) / "head.json"
+    if not path.is_file():
+        return None
+    info = HeadInfo(**json.loads(path.read_text()))
+    return info if _alive(info.pid) else None
+
+
+def _ready(info: HeadInfo, timeout_s: float) -> None:
+    from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if not _alive(info.pid):
+            raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
+        try:
+            RayJobBackend(RayTarget(info.address, read_token(info.token_file))).client.list_jobs()
+            return
+        except Exception as err:  # noqa: BLE001 - retried until the deadline
+            last = err
+            time.sleep(0.5)
+    raise TimeoutError(f"ray head at {info.address} not ready after {timeout_s}s: {last}")
+
+
+def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = 2,
+          timeout_s: float = 90) -> HeadInfo:
+    """Start the head (or return the running one) and wait until its Jobs API answers."""
+    state_dir = Path(state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    running = read_info(state_dir)
+    if running:
+        return running
+    token_file = state_dir / "auth_token"
+    if not token_file.exists():
+        token_file.write_text(secrets.token_hex(32))
+        token_file.chmod(0o600)
+    # Unix socket paths must stay short: RAY_TMPDIR goes under /tmp, named by the port.
+    tmpdir = Path(f"/tmp/vt-ray-{port}")
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    bin_dir = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "RAY_TMPDIR": str(tmpdir),
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token_file),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    env.pop("RAY_ADDRESS", None)
+    log_file = state_dir / "head.log"
+    cmd = [
+        str(Path(bin_dir) / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", "--num-gpus=0",
+        f"--port={port}", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
+        "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--disable-usage-stats",
+        f"--temp-dir={tmpdir}",
+    ]
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=str(state_dir))
+    info = HeadInfo(proc.pid, f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{port}", str(token_file),
+                    str(tmpdir), str(log_file))
+    (state_dir / "head.json").write_text(json.dumps(asdict(info), indent=1))
+    try:
+        _ready(info, timeout_s)
+    except Exception:
+        stop(state_dir)
+        raise
+    return info
+
+
+def stop(state_dir: Path, timeout_s: float = 30) -> bool:
+    """SIGTERM the recorded head (its whole session), wait, then SIGKILL what is left. True if it ran."""
+    path = Path(state_dir) / "head.json"
+    if not path.is_file():
+        return False
+    info = HeadInfo(**json.loads(path.read_text()))
+    was_alive = _alive(info.pid)
+    if was_alive:
+        os.kill(info.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(info.pid) and time.monotonic() < deadline:
+            try:
+                os.waitpid(info.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.2)
+    try:  # whatever of the head's own session is left (workers, dashboard): only that group
+        os.killpg(info.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    path.unlink(missing_ok=True)
+    return was_alive
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verl_tasks.execution.local_head")
+    parser.add_argument("action", choices=("start", "stop", "env"))
+    parser.add_argument("--state-dir", default=".ray-head")
+    parser.add_argument("--port", type=int, default=6399)
+    parser.add_argument("--dashboard-port", type=int, default=8275)
+    parser.add_argument("--num-cpus", type=int, default=2)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    state = Path(args.state_dir)
+    if args.action == "start":
+        started = time.monotonic()
+        info = start(state, port=args.port, dashboard_port=args.dashboard_port, num_cpus=args.num_cpus)
+        log.info("ray head pid %d at %s (ready in %.1fs)", info.pid, info.address, time.monotonic() - started)
+    elif args.action == "stop":
+        log.info("ray head stopped" if stop(state) else "no ray head was running")
+    else:
+        info = read_info(state)
+        if info is None:
+            log.error("no ray head running under %s", state)
+            return 1
+        for key, value in info.client_env().items():
+            sys.stdout.write(f"export {key}={value}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The one door to the Ray cluster: submit, find, wait for and stop phase jobs.
+
+Each unit attempt is a Ray job with a deterministic submission id::
+
+    vt-<experiment>-e<epoch>-<phase>[-b<batch>]-a<attempt>
+
+so an Airflow retry can find the jobs of its unit before it submits anything:
+
+* a job of the unit is PENDING or RUNNING -> attach to it (never a second live job);
+* the newest job SUCCEEDED -> return it; the caller checks the unit's marker;
+* the newest job FAILED or STOPPED (or none exists) -> submit attempt n + 1.
+
+Ray 2.60 turns token authentication on by default. :class:`RayTarget` carries
+the dashboard address and, when one is configured, the token, which is sent as
+an explicit ``Authorization: Bearer`` header. Nothing turns authentication off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verl_tasks.config import ExperimentConfig
+from verl_tasks.errors import VerlTasksError
+from verl_tasks.execution import UnitSpec
+
+log = logging.getLogger(__name__)
+
+LIVE = ("PENDING", "RUNNING")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+ADDRESS_ENVS = ("VERL_TASKS_RAY_ADDRESS", "RAY_ADDRESS")
+UNIT_META = "verl_tasks_unit"
+DUPLICATE_ID = "Please use a different submission_id"
+
+
+class RayUnavailable(VerlTasksError):
+    """No Ray address is configured, or the cluster refused or did not answer."""
+
+
+def submission_prefix(spec: UnitSpec) -> str:
+    return f"vt-{spec.experiment}-{spec.label}-a"
+
+
+def submission_id(spec: UnitSpec, attempt: int) -> str:
+    """``vt-tiny-arith-e0-rollout-b1-a1``: deterministic per (unit, attempt number)."""
+    return f"{submission_prefix(spec)}{attempt}"
+
+
+def attempt_number(spec: UnitSpec, job_id: str) -> int | None:
+    match = re.fullmatch(re.escape(submission_prefix(spec)) + r"(\d+)", job_id or "")
+    return int(match.group(1)) if match else None
+
+
+def read_token(token_file: str | None = None) -> str | None:
+    """The Ray auth token from ``token_file``, ``RAY_AUTH_TOKEN``, or ``RAY_AUTH_TOKEN_PATH``."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    for candidate in (token_file, os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        if candidate and Path(candidate).expanduser().is_file():
+            return Path(candidate).expanduser().read_text().strip() or None
+    if os.environ.get("RAY_AUTH_MODE") == "token":
+        default = Path("~/.ray/auth_token").expanduser()
+        if default.is_file():
+            return default.read_text().strip() or None
+    return None
+
+
+@dataclass(frozen=True)
+class RayTarget:
+    """Where the Ray dashboard answers, and the token to show it (never logged)."""
+
+    address: str
+    token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls) -> "RayTarget":
+        """Address from ``VERL_TASKS_RAY_ADDRESS`` / ``RAY_ADDRESS``, token per :func:`read_token`.
+
+        Raises:
+            RayUnavailable: no address variable is set.
+        """
+        for name in ADDRESS_ENVS:
+            if os.environ.get(name):
+                return cls(normalise_address(os.environ[name]), read_token())
+        raise RayUnavailable(
+            "no Ray address: set an Airflow connection (ray_default, host and port of the Ray "
+            f"dashboard) or one of {', '.join(ADDRESS_ENVS)} (e.g. http://127.0.0.1:8265)"
+        )
+
+    def headers(self) -> dict[str, str] | None:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else None
+
+
+def normalise_address(address: str) -> str:
+    address = address.strip()
+    if address.startswith("ray://"):
+        raise RayUnavailable(f"{address!r} is a Ray client address; the Jobs API needs the dashboard's http://host:port")
+    if not re.match(r"^https?://", address):
+        address = "http://" + address
+    return address.rstrip("/")
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    """A Ray job of one unit: its id, its status when last seen, and whether we started it."""
+
+    submission_id: str
+    status: str
+    attempt: int
+    submitted: bool
+
+
+class RayJobBackend:
+    """Submit phase units as Ray jobs; one instance per target. Construction contacts the cluster.
+
+    Example::
+
+        backend = RayJobBackend(RayTarget("http://127.0.0.1:8265", token))
+        handle = backend.submit(config, UnitSpec("tiny-arith", "rollout", 0, 1))
+        backend.wait(handle.submission_id)
+    """
+
+    def __init__(self, target: RayTarget, *, python: str | None = None, env: dict[str, str] | None = None):
+        self.target = target
+        self.python = python or os.environ.get("VERL_TASKS_RAY_PYTHON", "python")
+        self.env = dict(env or {})
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            from ray.job_submission import JobSubmissionClient
+
+            try:
+                self._client = JobSubmissionClient(self.target.address, headers=self.target.headers())
+            except Exception as err:  # noqa: BLE001 - re-raised with the address and the fix
+                hint = "" if self.target.token else (
+                    " If the cluster uses token authentication (Ray's default), configure the token: "
+                    "the connection's password, RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH."
+                )
+                raise RayUnavailable(f"Ray Jobs API at {self.target.address} is not usable: {err}.{hint}") from err
+        return self._client
+
+    # -- finding -----------------------------------------------------------------
+    def unit_jobs(self, spec: UnitSpec) -> list[JobHandle]:
+        """Every job of the unit, oldest attempt first."""
+        prefix = submission_prefix(spec)
+        found = []
+        for job in self.client.list_jobs():
+            number = attempt_number(spec, job.submission_id or "")
+            if number is None:
+                continue
+            found.append(JobHandle(job.submission_id, str(getattr(job.status, "value", job.status)), number, False))
+        found.sort(key=lambda h: h.attempt)
+        log.debug("%d job(s) with prefix %s", len(found), prefix)
+        return found
+
+    # -- submitting --------------------------------------------------------------
+    def entrypoint(self, config: ExperimentConfig, spec: UnitSpec) -> str:
+        from verl_tasks.execution.entry import encode_config
+
+        parts = [self.python, "-m", "verl_tasks.execution.entry", "--config-b64", encode_config(config.model_dump(mode="json")),
+                 "--phase", spec.phase, "--epoch", str(spec.epoch)]
+        if spec.batch is not None:
+            parts += ["--batch", str(spec.batch)]
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def submit(
+        self,
+        config: ExperimentConfig,
+        spec: UnitSpec,
+        *,
+        env: dict[str, str] | None = None,
+        resubmit_succeeded: bool = False,
+    ) -> JobHandle:
+        """Attach to the unit's live job, return its succeeded job, or submit the next attempt.
+
+        Args:
+            config: the resolved experiment config (sent to the job, base64 JSON).
+            spec: the unit.
+            env: extra environment for the job (e.g. S3 credentials, a fault flag).
+            resubmit_succeeded: submit a new attempt even when the newest job succeeded
+                (the caller found no marker, e.g. after a rollback).
+
+        Returns:
+            The handle; ``submitted`` tells whether a new job was started.
+
+        Raises:
+            RayUnavailable: the cluster cannot be reached or refuses the request.
+        """
+        jobs = self.unit_jobs(spec)
+        live = [j for j in jobs if j.status in LIVE]
+        if live:
+            log.info("attaching to live Ray job %s (%s) of unit %s", live[-1].submission_id, live[-1].status, spec.label)
+            return live[-1]
+        newest = jobs[-1] if jobs else None
+        if newest is not None and newest.status == "SUCCEEDED" and not resubmit_succeeded:
+            return newest
+        number = (newest.attempt + 1) if newest else 1
+        job_id = submission_id(spec, number)
+        resources = config.phase_resources(spec.phase)
+        runtime_env: dict[str, Any] = {"env_vars": {**self.env, **(env or {})}}
+        try:
+            self.client.submit_job(
+                entrypoint=self.entrypoint(config, spec),
+                submission_id=job_id,
+                runtime_env=runtime_env,
+                metadata={UNIT_META: spec.label, "experiment": spec.experiment},
+                entrypoint_num_cpus=resources.num_cpus,
+                entrypoint_num_gpus=resources.num_gpus,
+                entrypoint_memory=int(resources.memory_mb * 1024 * 1024) if resources.memory_mb else None,
+            )
+        except RuntimeError as err:
+            if DUPLICATE_ID in str(err):  # another retry of this unit won the same attempt id: attach
+                log.info("job %s was submitted concurrently; attaching", job_id)
+                return JobHandle(job_id, self.status(job_id), number, False)
+            raise RayUnavailable(f"could not submit {job_id} to {self.target.address}: {err}") from err
+        log.info("submitted Ray job %s (attempt %d of unit %s)", job_id, number, spec.label)
+        return JobHandle(job_id, "PENDING", number, True)
+
+    # -- watching ----------------------------------------------------------------
+    def status(self, job_id: str) -> str:
+        status = self.client.get_job_status(job_id)
+        return str(getattr(status, "value", status))
+
+    def logs(self, job_id: str) -> str:
+        return self.client.get_job_logs(job_id)
+
+    def stop(self, job_id: str) -> bool:
+        """Ask Ray to stop a job; True if it was live."""
+        try:
+            return bool(self.client.stop_job(job_id))
+        except RuntimeError as err:
+            log.warning("could not stop Ray job %s: %s", job_id, err)
+            return False
+
+    def wait(self, job_id: str, timeout_s: float = 600, poll_s: float = 0.5) -> str:
+        """Block until the job is terminal; return its status (for scripts and tests)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self.status(job_id)
+            if status in TERMINAL:
+                return status
+            time.sleep(poll_s)
+        raise TimeoutError(f"Ray job {job_id} not finished after {timeout_s}s")
+
+
+def log_tail(text: str, lines: int = 40) -> str:
+    return "\n".join((text or "").splitlines()[-lines:])
+
+
+__all__ = ["RayJobBackend", "RayTarget", "JobHandle", "RayUnavailable", "submission_id", "read_token", "log_tail"]
