@@ -150,6 +150,147 @@ def status(
     out.print(f"latest snapshot: {result['latest_snapshot']}")
 
 
+# --- operations after a fault: checkpoint, rollback, gc, resume -------------------------------------
+
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Verify, inspect and export snapshots.")
+app.add_typer(checkpoint_app, name="checkpoint")
+ENDPOINT_HELP = "S3 endpoint (else $VERL_TASKS_S3_ENDPOINT)"
+
+
+@checkpoint_app.command("verify")
+def checkpoint_verify(
+    uri: str = typer.Argument(..., help="a snapshot (.../EXP/snapshots/00003) or an experiment root (all snapshots)"),
+    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Hash every file against its manifest, load the weights and run a forward pass; exit 1 if any fails."""
+    _setup_logging(False)
+    from verl_tasks.ops import checkpoint as ops
+
+    try:
+        verdicts = [ops.verify(ref) for ref in ops.refs(uri, endpoint_url)]
+    except VerlTasksError as err:
+        _fail(err)
+    if as_json:
+        out.print_json(json.dumps([v.to_dict() for v in verdicts]))
+    else:
+        for verdict in verdicts:
+            out.print(verdict.line(), markup=False, highlight=False, soft_wrap=True)
+    if not all(v.ok for v in verdicts):
+        raise typer.Exit(code=1)
+
+
+@checkpoint_app.command("inspect")
+def checkpoint_inspect(
+    uri: str = typer.Argument(..., help="a snapshot URI, or an experiment root (every snapshot)"),
+    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+) -> None:
+    """Epoch, step, sizes, config hash, metrics and parent, as JSON."""
+    _setup_logging(False)
+    from verl_tasks.ops import checkpoint as ops
+
+    try:
+        result = [ops.inspect(ref) for ref in ops.refs(uri, endpoint_url)]
+    except VerlTasksError as err:
+        _fail(err)
+    out.print_json(json.dumps(result[0] if len(result) == 1 else result))
+
+
+@checkpoint_app.command("export-hf")
+def checkpoint_export_hf(
+    uri: str = typer.Argument(..., help="a snapshot URI (.../EXP/snapshots/00003)"),
+    target: Path = typer.Argument(..., help="new folder for the HF model (config, safetensors, tokenizer)"),
+    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+) -> None:
+    """Write a folder `AutoModelForCausalLM.from_pretrained` loads (verified, no optimizer state)."""
+    _setup_logging(False)
+    from verl_tasks.ops import checkpoint as ops
+
+    try:
+        refs = ops.refs(uri, endpoint_url)
+        files = ops.export_hf(refs[-1], target)
+    except VerlTasksError as err:
+        _fail(err)
+    console.print(f"exported {refs[-1].store.url(refs[-1].unit)} to {target} ({len(files)} files)")
+
+
+@app.command()
+def rollback(
+    config: Path = typer.Argument(..., help="experiment YAML"),
+    to_epoch: int = typer.Option(..., "--to-epoch", help="keep epochs 0..K; invalidate every later one"),
+    store: Optional[str] = typer.Option(None),
+    experiment: Optional[str] = typer.Option(None),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
+) -> None:
+    """Invalidate the units after epoch K (markers to a tombstone, data kept until gc); `run` continues from K."""
+    _setup_logging(False)
+    from verl_tasks.layout import Layout
+    from verl_tasks.ops.rollback import apply_rollback, plan_rollback
+    from verl_tasks.runner import store_for
+
+    try:
+        cfg = _load(config, store, experiment)
+        st, layout = store_for(cfg), Layout(cfg.experiment)
+        plan = plan_rollback(st, layout, to_epoch)
+        out.print(plan.describe(), markup=False, highlight=False)
+        if not plan.units:
+            console.print("nothing to invalidate")
+            return
+        if not yes and not typer.confirm("invalidate these units?", default=False):
+            console.print("aborted: nothing changed")
+            raise typer.Exit(code=1)
+        tomb = apply_rollback(st, layout, plan)
+    except VerlTasksError as err:
+        _fail(err)
+    console.print(f"rolled back: markers moved to {tomb}; `verl-tasks run` continues from epoch {to_epoch + 1}")
+
+
+@app.command()
+def gc(
+    config: Path = typer.Argument(..., help="experiment YAML"),
+    older_than: str = typer.Option("1h", "--older-than", help="only garbage older than this (30m, 1h, 2d)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list, delete nothing"),
+    store: Optional[str] = typer.Option(None),
+    experiment: Optional[str] = typer.Option(None),
+) -> None:
+    """Remove attempt folders no marker names, and tombstones older than --older-than."""
+    _setup_logging(False)
+    from verl_tasks.layout import Layout
+    from verl_tasks.ops.gc import collect, parse_age
+    from verl_tasks.runner import store_for
+
+    try:
+        cfg = _load(config, store, experiment)
+        report = collect(store_for(cfg), Layout(cfg.experiment), parse_age(older_than), dry_run=dry_run)
+    except VerlTasksError as err:
+        _fail(err)
+    for line in report.lines():
+        out.print(("would remove " if dry_run else "removed ") + line, markup=False, highlight=False)
+    console.print(f"{len(report.lines())} item(s) {'to remove' if dry_run else 'removed'}, "
+                  f"{report.kept_recent} recent attempt(s) kept")
+
+
+@app.command()
+def resume(
+    config: Path = typer.Argument(..., help="experiment YAML"),
+    store: Optional[str] = typer.Option(None),
+    experiment: Optional[str] = typer.Option(None),
+) -> None:
+    """Leave safe mode; then unpause the DAG (or `verl-tasks run`) to continue."""
+    _setup_logging(False)
+    from verl_tasks.layout import Layout
+    from verl_tasks.ops.safe_mode import leave_safe_mode
+    from verl_tasks.runner import store_for
+
+    try:
+        cfg = _load(config, store, experiment)
+        left = leave_safe_mode(store_for(cfg), Layout(cfg.experiment))
+    except VerlTasksError as err:
+        _fail(err)
+    console.print(f"{cfg.experiment} left safe mode; unpause the DAG or run `verl-tasks run`" if left
+                  else f"{cfg.experiment} was not in safe mode")
+
+
 def main() -> None:  # pragma: no cover - console entry
     try:
         app()

@@ -19,7 +19,7 @@ from verl_tasks.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
-KINDS = ("started", "skipped", "committed", "lost_race", "failed", "quarantined", "safe_mode", "resumed", "rollback")
+KINDS = ("started", "skipped", "committed", "lost_race", "failed", "quarantined", "safe_mode", "resumed", "rollback", "fallback", "gc")
 
 
 def record_event(store: ObjectStore, layout: Layout, kind: str, **fields: Any) -> None:

@@ -59,7 +59,15 @@ def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
 
 
 def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None) -> dict[str, Any]:
-    """Run epochs ``0..epochs-1``; committed units are skipped. Returns the status."""
+    """Run epochs ``0..epochs-1``; committed units are skipped. Returns the status.
+
+    Before any work, the newest committed snapshot is verified; a corrupt one is
+    quarantined and training resumes from the previous valid one (``ops.fallback``).
+    """
+    if not all(epoch_done(ctx, e, epochs) for e in range(epochs)):
+        from verl_tasks.ops.fallback import check_resume_point
+
+        check_resume_point(ctx)
     for epoch in range(epochs):
         if epoch_done(ctx, epoch, epochs):
             if progress:
@@ -78,6 +86,22 @@ def _metrics(store: ObjectStore, unit: str) -> dict[str, Any]:
     except IntegrityError:
         return {}
     return dict(record.meta.get("metrics", {})) if record else {}
+
+
+def _quarantined(store: ObjectStore, keys: set[str]) -> list[dict[str, Any]]:
+    """Units whose marker was moved aside after failing verification, oldest first."""
+    out = []
+    for key in sorted(keys):
+        at = key.find("/.quarantine/")
+        if at < 0:
+            continue
+        unit = key[:at]
+        try:
+            reason = json.loads(store.get(key)).get("reason", "")
+        except (NotFound, ValueError):
+            reason = ""
+        out.append({"unit": unit, "reason": reason, "record": key, "recovered": f"{unit}/_SUCCESS" in keys})
+    return out
 
 
 def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
@@ -118,8 +142,14 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         safe_mode = json.loads(store.get(layout.safe_mode))
     except NotFound:
         pass
+    quarantined = _quarantined(store, keys)
     return {
         "experiment": config.experiment,
+        "quarantined": quarantined,
+        "warnings": [
+            f"{q['unit']} was quarantined ({q['reason']})" + ("; recomputed since" if q["recovered"] else "; not recomputed yet")
+            for q in quarantined
+        ],
         "store": store.uri,
         "epochs": epochs,
         "latest_snapshot": latest,

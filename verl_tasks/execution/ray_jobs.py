@@ -35,6 +35,7 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 ADDRESS_ENVS = ("VERL_TASKS_RAY_ADDRESS", "RAY_ADDRESS")
 UNIT_META = "verl_tasks_unit"
 DUPLICATE_ID = "Please use a different submission_id"
+NO_AGENT = "No available agent to submit job"
 
 
 class RayUnavailable(VerlTasksError):
@@ -205,9 +206,9 @@ class RayJobBackend:
         resources = config.phase_resources(spec.phase)
         runtime_env: dict[str, Any] = {"env_vars": {**self.env, **(env or {})}}
         try:
-            self.client.submit_job(
+            self._submit_job(
+                job_id,
                 entrypoint=self.entrypoint(config, spec),
-                submission_id=job_id,
                 runtime_env=runtime_env,
                 metadata={UNIT_META: spec.label, "experiment": spec.experiment},
                 entrypoint_num_cpus=resources.num_cpus,
@@ -221,6 +222,21 @@ class RayJobBackend:
             raise RayUnavailable(f"could not submit {job_id} to {self.target.address}: {err}") from err
         log.info("submitted Ray job %s (attempt %d of unit %s)", job_id, number, spec.label)
         return JobHandle(job_id, "PENDING", number, True)
+
+    def _submit_job(self, job_id: str, *, agent_wait_s: float = 60, **kwargs: Any) -> None:
+        """``submit_job``, retried while a fresh head's job agent is not up yet (HTTP 500 "No available agent")."""
+        import time
+
+        deadline = time.monotonic() + agent_wait_s
+        while True:
+            try:
+                self.client.submit_job(submission_id=job_id, **kwargs)
+                return
+            except RuntimeError as err:
+                if NO_AGENT not in str(err) or time.monotonic() > deadline:
+                    raise
+                log.info("Ray job agent not ready; retrying submission of %s", job_id)
+                time.sleep(1.0)
 
     # -- watching ----------------------------------------------------------------
     def status(self, job_id: str) -> str:

@@ -123,7 +123,26 @@ def run_unit(
 
 
 def policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
-    """A local folder holding policy ``version`` (snapshot files verified against the manifest)."""
+    """A local folder holding policy ``version`` (snapshot files verified against the manifest).
+
+    Raises:
+        PhaseFailed: the snapshot is not committed, or it failed verification; in the
+            latter case it was quarantined (``ops.fallback``) and the next run recomputes it.
+    """
+    try:
+        return _policy_folder(ctx, version)
+    except IntegrityError as err:
+        from verl_tasks.ops.fallback import fall_back
+
+        info = fall_back(ctx, version, err.problems)
+        raise PhaseFailed(
+            err.unit,
+            f"snapshot {version} failed verification ({'; '.join(err.problems)}); it was quarantined and "
+            f"latest.json points at snapshot {info['fell_back_to']}: rerun to recompute it",
+        ) from err
+
+
+def _policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
     record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
     weights_sha = record.files[WEIGHTS].sha256
     if isinstance(ctx.store, LocalStore):
@@ -138,9 +157,13 @@ def policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
         for name in record.files:
             download(ctx.store, record, name, tmp / name)
         (tmp / ".complete").touch()
-        shutil.rmtree(folder, ignore_errors=True)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(folder)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process cached the same content first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (folder / ".complete").exists():
+                raise
     return folder, record
 
 

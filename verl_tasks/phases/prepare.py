@@ -138,7 +138,11 @@ def base_snapshot(ctx: PhaseContext) -> CommitRecord:
 
 
 def prepare(ctx: PhaseContext) -> CommitRecord:
+    """Idempotent; the fast path (all pinned) costs three small reads."""
     pin_experiment(ctx)
+    base = committed(ctx, ctx.layout.snapshot(0))
+    if base is not None and all(ctx.store.exists(f"{ctx.layout.data(s)}/_SUCCESS") for s in ("train", "eval")):
+        return base
     prepare_data(ctx, "train")
     prepare_data(ctx, "eval")
     record = base_snapshot(ctx)

@@ -1,0 +1,44 @@
+"""Shared fixtures: a project-local Airflow home (SQLite), and a Ray head started once per session."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DAGS = REPO / "dags"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _airflow_env(tmp_path_factory):
+    home = tmp_path_factory.mktemp("airflow-home")
+    env = {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield home
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """A project-local Ray head on its own ports, stopped (SIGTERM to its PID) at the end."""
+    from verl_tasks.execution import local_head
+
+    state = tmp_path_factory.mktemp("ray-head")
+    port = int(os.environ.get("VT_TEST_RAY_PORT", "6411"))
+    info = local_head.start(state, port=port, dashboard_port=port + 1900, num_cpus=2)
+    yield info
+    local_head.stop(state)

@@ -1,0 +1,80 @@
+"""The DAG's shape, params schema, retries and the run-config resolution (no Airflow DB needed)."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from tests.airflow.conftest import DAGS
+from verl_tasks.airflow import runconfig
+from verl_tasks.airflow.factory import build_dag
+from verl_tasks.errors import ConfigError
+
+TINY = DAGS / "experiments" / "tiny_arith.yaml"
+SCHEDULED = DAGS / "experiments" / "scheduled_retrain.yaml"
+
+
+def test_tiny_dag_shape():
+    dag = build_dag(TINY)
+    cfg = yaml.safe_load(TINY.read_text())
+    ids = set(dag.task_ids)
+    assert "configure" in ids
+    for epoch in range(cfg["epochs"]):
+        for phase in ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate"):
+            assert f"epoch_{epoch:03d}.{phase}" in ids
+    rollout = dag.get_task("epoch_000.rollout")
+    score = dag.get_task("epoch_000.score")
+    assert type(rollout).__name__ == "MappedOperator" and type(score).__name__ == "MappedOperator"
+    assert rollout.expand_input.value["batch"] == list(range(cfg["rollout"]["batches_per_epoch"]))
+    assert "task.batch" in rollout.map_index_template
+    assert rollout.pool == "verl_gpu" and dag.get_task("epoch_000.update").pool == "verl_gpu"
+    assert dag.get_task("epoch_000.plan").upstream_task_ids == {"configure"}
+    assert dag.get_task("epoch_001.plan").upstream_task_ids == {"epoch_000.snapshot"}
+    assert dag.get_task("epoch_000.evaluate").upstream_task_ids == {"epoch_000.snapshot"}
+    update = dag.get_task("epoch_000.update")
+    ft = cfg.get("fault_tolerance", {})
+    assert update.retries == ft.get("retries", 3) and update.retry_exponential_backoff
+    assert update.max_retry_delay == timedelta(seconds=ft.get("max_retry_delay_s", 300))
+    assert dag.doc_md and update.doc_md and "Retry" in update.doc_md
+    last = dag.get_task(f"epoch_{cfg['epochs'] - 1:03d}.snapshot")
+    assert [a.uri for a in last.outlets] == ["verl-tasks://tiny_arith/snapshots"]
+
+
+def test_params_schema():
+    dag = build_dag(TINY)
+    params = dag.params
+    for name in ("experiment", "resume", "from_snapshot", "parent", "epochs", "lr", "group_size", "overrides"):
+        assert name in params
+    schema = params.get_param("resume").schema
+    assert schema["enum"] == ["latest", "fresh", "snapshot"]
+    raw = yaml.safe_load(TINY.read_text())
+    assert params["lr"] == raw["algorithm"]["lr"] and params["group_size"] == raw["algorithm"]["group_size"]
+    assert params["experiment"] == raw["experiment"]
+    with pytest.raises(Exception):
+        params.get_param("experiment").resolve("bad name/..")
+    with pytest.raises(Exception):
+        params.get_param("epochs").resolve(99)
+
+
+def test_scheduled_dag_uses_cron_and_parent():
+    dag = build_dag(SCHEDULED)
+    assert type(dag.timetable).__name__ == "CronTriggerTimetable" and dag.timetable.expression == "0 3 * * *"
+    assert "tiny-arith" in dag.doc_md
+
+
+def test_resolve_overrides_and_scheduled_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
+    manual = SimpleNamespace(run_type="manual", logical_date=None, run_after=datetime(2026, 1, 2, 3, 4, 5))
+    cfg = runconfig.resolve(TINY, {"experiment": "x1", "lr": 0.002, "epochs": 2, "overrides": {"algorithm.clip_ratio_low": 0.1}}, manual)
+    assert cfg.experiment == "x1" and cfg.algorithm.lr == 0.002 and cfg.epochs == 2
+    assert cfg.algorithm.clip_ratio_low == 0.1
+    assert cfg.storage.uri == f"file://{tmp_path}/.store"
+    scheduled = SimpleNamespace(run_type="scheduled", logical_date=datetime(2026, 1, 2, 3, 0), run_after=None)
+    assert runconfig.resolve(SCHEDULED, {}, scheduled).experiment == "scheduled-retrain-20260102T030000"
+    with pytest.raises(ConfigError):
+        runconfig.resolve(TINY, {"epochs": 99}, manual)
+    with pytest.raises(ConfigError):
+        runconfig.resolve(TINY, {"overrides": {"algorithm.nope": 1}}, manual)

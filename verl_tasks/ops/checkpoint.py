@@ -1,0 +1,208 @@
+"""Verify, inspect and export snapshots, addressed by URI.
+
+A URI names one snapshot (``file:///data/store/exp/snapshots/00003``,
+``s3://bucket/prefix/exp/snapshots/00003``), the snapshots folder, or an
+experiment root (every snapshot of it). Loading uses safetensors and JSON only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verl_tasks.errors import ConfigError, IntegrityError, StoreError
+from verl_tasks.layout import Layout
+from verl_tasks.models.checkpoint import OPTIMIZER, WEIGHTS, load_policy, refuse_pickles
+from verl_tasks.store import ObjectStore, open_store
+from verl_tasks.store.units import MARKER, CommitRecord, download, read_json, read_marker, verify_unit
+
+log = logging.getLogger(__name__)
+
+TRAINING_ONLY = (OPTIMIZER, "trainer_state.json")
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """Where a snapshot lives: the store, the experiment's layout and the version."""
+
+    store: ObjectStore
+    layout: Layout
+    version: int
+
+    @property
+    def unit(self) -> str:
+        return self.layout.snapshot(self.version)
+
+
+@dataclass
+class Verdict:
+    version: int
+    unit: str
+    ok: bool
+    state: str  # OK | FAILED | PRUNED | ABSENT
+    problems: list[str] = field(default_factory=list)
+    weights_sha256: str | None = None
+    size: int = 0
+
+    def line(self) -> str:
+        sha = f" sha256 {self.weights_sha256[:16]}" if self.weights_sha256 else ""
+        detail = "; ".join(self.problems) if self.problems else "hashes match, forward pass ok"
+        return f"{self.state:<6} {self.unit}{sha} {self.size} bytes: {detail}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve(uri: str, endpoint_url: str | None = None) -> tuple[ObjectStore, Layout, int | None]:
+    """Split a URI into (store, layout, version); version is None for "every snapshot".
+
+    Raises:
+        ConfigError: the URI names neither a snapshot nor an experiment.
+    """
+    scheme = "file://" if uri.startswith("file://") else "s3://" if uri.startswith("s3://") else None
+    if scheme is None:
+        raise ConfigError(f"unsupported URI {uri!r}: use file://PATH or s3://BUCKET/PREFIX")
+    body = uri[len(scheme):].rstrip("/")
+    parts = body.split("/")
+    version: int | None = None
+    if len(parts) >= 2 and parts[-2] == "snapshots" and parts[-1].isdigit():
+        version = int(parts[-1])
+        parts = parts[:-2]
+    elif parts and parts[-1] == "snapshots":
+        parts = parts[:-1]
+    if scheme == "s3://" and len(parts) < 2:
+        raise ConfigError(f"{uri!r}: an S3 URI must name s3://BUCKET/[PREFIX/]EXPERIMENT[/snapshots/NNNNN]")
+    if len(parts) < 2 or not parts[-1]:
+        raise ConfigError(f"{uri!r} does not name an experiment folder")
+    experiment = parts[-1]
+    root = "/".join(parts[:-1]) or "/"
+    store = open_store(scheme + root, endpoint_url=endpoint_url)
+    return store, Layout(experiment), version
+
+
+def snapshot_versions(store: ObjectStore, layout: Layout) -> list[int]:
+    """Versions with a committed marker, ascending."""
+    versions = set()
+    for key in store.list(layout.snapshots + "/"):
+        if key.endswith("/" + MARKER):
+            v = layout.snapshot_version(key)
+            if v is not None:
+                versions.add(v)
+    return sorted(versions)
+
+
+def refs(uri: str, endpoint_url: str | None = None) -> list[SnapshotRef]:
+    store, layout, version = resolve(uri, endpoint_url)
+    versions = [version] if version is not None else snapshot_versions(store, layout)
+    if not versions:
+        raise StoreError(f"no committed snapshot under {uri}")
+    return [SnapshotRef(store, layout, v) for v in versions]
+
+
+def fetch(ref: SnapshotRef, record: CommitRecord, folder: Path, names: list[str] | None = None) -> Path:
+    """Download (and verify) a snapshot's files into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names if names is not None else sorted(record.files):
+        download(ref.store, record, name, folder / name)
+    return folder
+
+
+def forward_check(folder: Path) -> list[str]:
+    """Load the policy (safetensors only) and run one forward pass; problems found, empty if fine."""
+    import torch
+
+    try:
+        refuse_pickles(folder)
+        model, tokenizer = load_policy(folder)
+    except IntegrityError as err:
+        return list(err.problems)
+    except Exception as err:  # noqa: BLE001 - any load failure is a verdict, not a crash
+        return [f"load failed: {type(err).__name__}: {err}"[:500]]
+    ids = tokenizer("1+1=", add_special_tokens=False)["input_ids"] or [0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits
+    if not torch.isfinite(logits).all():
+        return ["forward pass produced non-finite logits"]
+    return []
+
+
+def verify(ref: SnapshotRef) -> Verdict:
+    """Hash every file against the manifest, then load the weights and run a forward pass."""
+    from verl_tasks.phases.snapshot import PRUNED
+
+    try:
+        record = read_marker(ref.store, ref.unit)
+    except IntegrityError as err:
+        return Verdict(ref.version, ref.unit, False, "FAILED", list(err.problems))
+    if record is None:
+        return Verdict(ref.version, ref.unit, False, "ABSENT", ["no _SUCCESS marker: not committed (or quarantined)"])
+    sha = record.files[WEIGHTS].sha256 if WEIGHTS in record.files else None
+    size = sum(e.size for e in record.files.values())
+    if ref.store.exists(f"{ref.unit}/{PRUNED}"):
+        return Verdict(ref.version, ref.unit, True, "PRUNED", ["weights deleted by retention (metadata kept)"], sha, size)
+    problems = verify_unit(ref.store, record)
+    if not problems:
+        with tempfile.TemporaryDirectory() as tmp:
+            problems = forward_check(fetch(ref, record, Path(tmp)))
+    return Verdict(ref.version, ref.unit, not problems, "OK" if not problems else "FAILED", problems, sha, size)
+
+
+def inspect(ref: SnapshotRef) -> dict[str, Any]:
+    """Epoch, step, sizes, config hash, metrics and parent of one snapshot (JSON-serialisable)."""
+    record = read_marker(ref.store, ref.unit)
+    if record is None:
+        raise StoreError(f"{ref.store.url(ref.unit)} is not committed")
+    state = read_json(ref.store, record, "trainer_state.json") if "trainer_state.json" in record.files else {}
+    experiment: dict[str, Any] = {}
+    try:
+        experiment = json.loads(ref.store.get(ref.layout.experiment_json))
+    except Exception:  # noqa: BLE001 - inspect still reports what it can
+        pass
+    parent = state.get("parent_version")
+    return {
+        "uri": ref.store.url(ref.unit),
+        "experiment": ref.layout.experiment,
+        "version": ref.version,
+        "epoch": state.get("epoch"),
+        "step": state.get("step"),
+        "config_hash": state.get("config_hash") or experiment.get("config_hash"),
+        "parent": ref.store.url(ref.layout.snapshot(parent)) if isinstance(parent, int) else None,
+        "parent_version": parent,
+        "attempt": record.attempt,
+        "committed_at": record.committed_at,
+        "weights_sha256": record.files[WEIGHTS].sha256 if WEIGHTS in record.files else None,
+        "sizes": {name: entry.size for name, entry in sorted(record.files.items())},
+        "total_bytes": sum(e.size for e in record.files.values()),
+        "metrics": state.get("metrics") or record.meta.get("metrics", {}),
+    }
+
+
+def export_hf(ref: SnapshotRef, target: Path) -> list[Path]:
+    """Write a folder ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` load (no optimizer state).
+
+    Raises:
+        IntegrityError: a file does not match the manifest, or the folder does not load.
+        StoreError: the snapshot is not committed, or ``target`` exists and is not empty.
+    """
+    record = read_marker(ref.store, ref.unit)
+    if record is None:
+        raise StoreError(f"{ref.store.url(ref.unit)} is not committed")
+    target = Path(target)
+    if target.exists() and any(target.iterdir()):
+        raise StoreError(f"{target} exists and is not empty; choose a new folder")
+    names = [n for n in sorted(record.files) if n not in TRAINING_ONLY]
+    with tempfile.TemporaryDirectory(dir=target.parent if target.parent.exists() else None) as tmp:
+        folder = fetch(ref, record, Path(tmp) / "export", names)
+        problems = forward_check(folder)
+        if problems:
+            raise IntegrityError(ref.unit, problems)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            target.rmdir()
+        shutil.move(str(folder), str(target))
+    return sorted(target.iterdir())
+

@@ -1,0 +1,106 @@
+"""Resume from the newest snapshot that verifies: a corrupt one is quarantined and recomputed.
+
+A committed snapshot whose files no longer match its manifest (truncated or
+altered after commit) is detected when it is loaded. Its marker is moved to
+``.quarantine/`` (so the unit reads as absent), the update unit it was copied
+from is quarantined too when its own weights are bad or were pruned, and
+``latest.json`` goes back to the previous valid snapshot. Every input of the
+lost units is still committed, so the next run recomputes them and, being
+deterministic, produces the same bytes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from verl_tasks.errors import IntegrityError
+from verl_tasks.events import record_event
+from verl_tasks.models.checkpoint import WEIGHTS
+from verl_tasks.store.base import NotFound
+from verl_tasks.store.units import quarantine, read_marker, verify_unit
+
+log = logging.getLogger(__name__)
+
+
+def _weights_ok(ctx, unit: str) -> bool:
+    from verl_tasks.phases.snapshot import is_pruned
+
+    try:
+        record = read_marker(ctx.store, unit)
+    except IntegrityError:
+        return False
+    if record is None or is_pruned(ctx, unit):
+        return False
+    return not verify_unit(ctx.store, record)
+
+
+def newest_valid_version(ctx, below: int) -> int | None:
+    """The newest snapshot version < ``below`` that is committed, not pruned and verifies."""
+    for version in range(below - 1, -1, -1):
+        if _weights_ok(ctx, ctx.layout.snapshot(version)):
+            return version
+    return None
+
+
+def fall_back(ctx, version: int, problems: list[str]) -> dict[str, Any]:
+    """Quarantine corrupt snapshot ``version`` (and its update unit if needed); point latest at the previous valid one.
+
+    Returns the ``fallback`` event's fields. Snapshot 0 (the base) is quarantined
+    too; it is rebuilt by ``prepare`` on the next run.
+    """
+    from verl_tasks.phases.snapshot import PRUNED, write_latest
+
+    layout, store = ctx.layout, ctx.store
+    snap = layout.snapshot(version)
+    reason = f"snapshot {version} failed verification: " + "; ".join(problems)
+    quarantined = []
+    if quarantine(store, snap, reason):
+        quarantined.append(snap)
+    if version > 0:
+        update_unit = layout.update(version - 1)
+        if not _weights_ok(ctx, update_unit) and read_marker(store, update_unit) is not None:
+            quarantine(store, update_unit, f"weights of snapshot {version} are bad and this unit's copy is unusable")
+            store.delete(f"{update_unit}/{PRUNED}")
+            quarantined.append(update_unit)
+    previous = newest_valid_version(ctx, version)
+    try:
+        pointer = json.loads(store.get(layout.latest))
+    except (NotFound, ValueError):
+        pointer = {}
+    if previous is not None and pointer.get("version", -1) >= version:
+        store.delete(layout.latest)
+        write_latest(ctx, previous, read_marker(store, layout.snapshot(previous)))
+    fields = {"unit": snap, "version": version, "problems": problems, "quarantined": quarantined,
+              "fell_back_to": previous}
+    log.warning(
+        "snapshot %d of %s is corrupt (%s); quarantined %s and fell back to snapshot %s; "
+        "the next run recomputes the lost units", version, layout.experiment, "; ".join(problems),
+        ", ".join(quarantined), previous,
+    )
+    record_event(store, layout, "quarantined", **fields)
+    record_event(store, layout, "fallback", **fields)
+    return fields
+
+
+def check_resume_point(ctx) -> dict[str, Any] | None:
+    """Verify the newest committed snapshot (the one a resume reads); fall back if it is corrupt.
+
+    Loops until the newest snapshot verifies. Returns the last fallback's fields, or None.
+    """
+    from verl_tasks.ops.checkpoint import snapshot_versions
+
+    result = None
+    while True:
+        versions = snapshot_versions(ctx.store, ctx.layout)
+        if not versions:
+            return result
+        newest = versions[-1]
+        unit = ctx.layout.snapshot(newest)
+        record = read_marker(ctx.store, unit)
+        if ctx.store.exists(f"{unit}/_PRUNED"):
+            return result
+        problems = verify_unit(ctx.store, record) if record is not None and WEIGHTS in record.files else []
+        if not problems:
+            return result
+        result = fall_back(ctx, newest, problems)
