@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make demo: a local Ray head, a project-local Airflow (SQLite), the tiny experiment's DAG end to end
 # with every phase submitted as a Ray job (`airflow dags test`), then the summary table. Exit 0 on success.
-#   DEMO_EPOCHS=N (default: the YAML's 8)   DEMO_EXPERIMENT=name (default tiny-arith)
+#   DEMO_EPOCHS=N (default 2, at most the YAML's 8)   DEMO_EXPERIMENT=name (default tiny-arith)
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
@@ -9,10 +9,11 @@ source scripts/airflow_env.sh
 PY="$REPO/.venv/bin/python"
 STATE="$REPO/.ray-head"
 EXPERIMENT="${DEMO_EXPERIMENT:-tiny-arith}"
-EPOCHS="${DEMO_EPOCHS:-8}"
+EPOCHS="${DEMO_EPOCHS:-2}"   # each Ray-backed epoch is ~21 jobs of 3-7 s start-up each on 2 cores
 export VERL_TASKS_BACKEND=ray
 
-cleanup() { "$PY" -m verl_tasks.execution.local_head stop --state-dir "$STATE" || true; }
+AF_PID=""
+cleanup() { [ -n "$AF_PID" ] && kill "$AF_PID" 2>/dev/null; "$PY" -m verl_tasks.execution.local_head stop --state-dir "$STATE" || true; }
 trap cleanup EXIT
 
 "$PY" -m verl_tasks.execution.local_head start --state-dir "$STATE" --port "${RAY_PORT:-6399}" --dashboard-port "${RAY_DASHBOARD_PORT:-8275}"
@@ -21,11 +22,15 @@ eval "$("$PY" -m verl_tasks.execution.local_head env --state-dir "$STATE")"   # 
 airflow db migrate >"$AIRFLOW_HOME/migrate.log" 2>&1 || { tail -20 "$AIRFLOW_HOME/migrate.log"; exit 1; }
 airflow pools set verl_gpu 2 "GPU-bound phases (rollout, update)" >/dev/null
 started=$(date +%s)
-if ! airflow dags test tiny_arith -c "{\"experiment\": \"$EXPERIMENT\", \"epochs\": $EPOCHS}" >"$AIRFLOW_HOME/demo-dags-test.log" 2>&1; then
+airflow dags test tiny_arith -c "{\"experiment\": \"$EXPERIMENT\", \"epochs\": $EPOCHS}" >"$AIRFLOW_HOME/demo-dags-test.log" 2>&1 &
+AF_PID=$!
+if ! wait "$AF_PID"; then
+  AF_PID=""
   grep -E "ERROR|Error|failed" "$AIRFLOW_HOME/demo-dags-test.log" | tail -20
   echo "dags test failed; full log: $AIRFLOW_HOME/demo-dags-test.log" >&2
   exit 1
 fi
+AF_PID=""
 grep -q "state=success" "$AIRFLOW_HOME/demo-dags-test.log" || { echo "run did not succeed; see $AIRFLOW_HOME/demo-dags-test.log" >&2; exit 1; }
 echo "DAG run tiny_arith succeeded in $(( $(date +%s) - started ))s (phases ran as Ray jobs; log: $AIRFLOW_HOME/demo-dags-test.log)"
 "$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --experiment "$EXPERIMENT" --store "file://$VERL_TASKS_STORE_ROOT/.store"

@@ -40,3 +40,39 @@ def env_switch(data_source, solution_str, ground_truth, extra_info):
     if os.environ.get("VT_TEST_REWARD_FAIL"):
         raise RuntimeError("injected reward failure")
     return 1.0 if solution_str.strip() == ground_truth else 0.0
+
+
+def _once(tag: str) -> bool:
+    """True the first time ``tag`` is seen under $VT_CHAOS_REWARD_DIR (a flag file per tag)."""
+    folder = os.environ.get("VT_CHAOS_REWARD_DIR")
+    if not folder:
+        return False
+    try:
+        fd = os.open(os.path.join(folder, tag), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def chaos_exact(data_source, solution_str, ground_truth, extra_info):
+    """Exact answer (same scores as the builtin), misbehaving on purpose for the chaos matrix.
+
+    While $VT_CHAOS_REWARD_OUTAGE names a file that does not exist, every call raises (an outage:
+    the batch exceeds the failure threshold). Otherwise the first wrong answers seen make the
+    worker raise, hang, and kill itself once each; their default score 0.0 equals the true score,
+    so the final weights match a run without faults.
+    """
+    outage = os.environ.get("VT_CHAOS_REWARD_OUTAGE")
+    if outage and not os.path.exists(outage):
+        raise RuntimeError("injected reward service outage")
+    correct = solution_str.strip() == str(ground_truth).strip()
+    if not correct:
+        for mode in ("raise", "hang", "crash"):
+            if _once(mode):
+                if mode == "raise":
+                    raise ValueError("injected reward error")
+                if mode == "hang":
+                    time.sleep(60)
+                os._exit(9)
+    return 1.0 if correct else 0.0

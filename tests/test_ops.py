@@ -123,7 +123,7 @@ def test_rollback_then_run_reproduces_the_same_weights_and_gc(copy, trained):
     assert result["latest_snapshot"]["weights_sha256"] == trained["sha"]
     util.assert_exactly_once(store, layout, ctx.config)
     redone = util.started_count(store, layout) - started
-    assert redone == 2 + 2 * ctx.config.rollout.batches_per_epoch + 1  # plan, rollouts, scores, validate..snapshot, evaluate
+    assert redone == 1 + 2 * ctx.config.rollout.batches_per_epoch + 3 + 1  # plan, rollouts, scores, validate+update+snapshot, evaluate
     # gc: the rolled-back attempts are kept while the tombstone is young, removed after.
     dry = invoke("gc", copy["yaml"], "--store", copy["uri"], "--older-than", "1h", "--dry-run")
     assert dry.exit_code == 0 and "tombstone" not in dry.output
@@ -176,3 +176,20 @@ def test_escalate_enters_safe_mode_and_resume_leaves_it(copy):
     kinds = [e["kind"] for e in read_events(ctx.store, ctx.layout)]
     assert kinds.index("safe_mode") < kinds.index("resumed")
     assert "was not in safe mode" in invoke("resume", copy["yaml"], "--store", copy["uri"]).output
+
+
+def test_resume_point_is_verified_and_a_corrupt_snapshot_is_recomputed(copy, trained):
+    from verl_tasks.ops.fallback import check_resume_point
+
+    ctx = copy["ctx"]
+    path = weights_path(ctx, 2)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    info = check_resume_point(ctx)
+    assert info["fell_back_to"] == 1 and info["quarantined"] == [ctx.layout.snapshot(2)]
+    st = status(ctx.config, ctx.store)
+    assert st["latest_snapshot"]["version"] == 1 and "quarantined" in st["warnings"][0]
+    started = util.started_count(ctx.store, ctx.layout)
+    assert train(ctx, util.EPOCHS)["latest_snapshot"]["weights_sha256"] == trained["sha"]
+    assert util.started_count(ctx.store, ctx.layout) - started == 1  # only the snapshot copy is redone

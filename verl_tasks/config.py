@@ -271,6 +271,12 @@ class ExperimentConfig(Strict):
     def samples_per_epoch(self) -> int:
         return self.prompts_per_epoch * self.algorithm.group_size
 
+    def should_evaluate(self, epoch: int, total_epochs: int | None = None) -> bool:
+        """Evaluate after every ``evaluate.every``-th epoch and always after the last one."""
+        last = (total_epochs or self.epochs) - 1
+        every = self.evaluate.every
+        return epoch == last or (every > 0 and (epoch + 1) % every == 0)
+
     def phase_resources(self, phase: str) -> Resources:
         return self.resources.get(phase, Resources())
 

@@ -13,7 +13,6 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError
 from verl_tasks.layout import Layout
 from verl_tasks.phases import BATCHED, PHASE_FUNCTIONS, PhaseContext
-from verl_tasks.phases.evaluate import should_evaluate
 from verl_tasks.phases.snapshot import is_pruned
 from verl_tasks.store import ObjectStore, open_store
 from verl_tasks.store.base import NotFound
@@ -46,7 +45,7 @@ def epoch_units(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[
     units += [("rollout", b) for b in batches]
     units += [("score", b) for b in batches]
     units += [("validate", None), ("update", None), ("snapshot", None)]
-    if should_evaluate(ctx, epoch, total_epochs):
+    if ctx.config.should_evaluate(epoch, total_epochs):
         units.append(("evaluate", None))
     return units
 
@@ -55,7 +54,7 @@ def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
     snap = ctx.layout.snapshot(epoch + 1)
     if not ctx.store.exists(f"{snap}/_SUCCESS"):
         return False
-    return not should_evaluate(ctx, epoch, total_epochs) or ctx.store.exists(f"{ctx.layout.evaluate(epoch)}/_SUCCESS")
+    return not ctx.config.should_evaluate(epoch, total_epochs) or ctx.store.exists(f"{ctx.layout.evaluate(epoch)}/_SUCCESS")
 
 
 def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ DAG_FILES = sorted(p for p in DAGS.glob("*.py") if not p.name.startswith("_"))
 def test_dagbag_imports_every_file():
     from airflow.dag_processing.dagbag import DagBag
 
-    bag = DagBag(dag_folder=str(DAGS), include_examples=False)
+    bag = DagBag(dag_folder=str(DAGS))
     assert bag.import_errors == {}, bag.import_errors
     assert {p.stem for p in DAG_FILES} <= set(bag.dag_ids)
     for stats in bag.dagbag_stats:

@@ -132,7 +132,7 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
             with TaskGroup(group_id=f"epoch_{epoch:03d}", tooltip=f"epoch {epoch} -> policy version {epoch + 1}"):
                 tasks = {}
                 for phase in ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate"):
-                    if phase == "evaluate" and not runconfig.should_evaluate(epoch, cfg.epochs, cfg.evaluate.every):
+                    if phase == "evaluate" and not cfg.should_evaluate(epoch, cfg.epochs):
                         continue
                     kwargs: dict[str, Any] = dict(common, task_id=phase, phase=phase, epoch=epoch,
                                                   doc_md=PHASE_DOCS[phase] + RETRY_DOC)

@@ -137,7 +137,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
 
     def __init__(self, *, config_path: str, phase: str, epoch: int, batch: int | None = None,
                  backend: str | None = None, ray_conn_id: str | None = "ray_default",
-                 aws_conn_id: str | None = None, forward_credentials: bool = True, poll_interval: float = 1.0,
+                 aws_conn_id: str | None = None, forward_credentials: bool = True, poll_interval: float = 0.5,
                  snapshot_asset: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.config_path = str(config_path)
@@ -168,7 +168,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
     def _skip_reason(self, cfg) -> str | None:
         if self.epoch >= cfg.epochs:
             return f"this run trains {cfg.epochs} epoch(s); epoch {self.epoch} is not part of it"
-        if self.phase == "evaluate" and not runconfig.should_evaluate(self.epoch, cfg.epochs, cfg.evaluate.every):
+        if self.phase == "evaluate" and not cfg.should_evaluate(self.epoch, cfg.epochs):
             return f"evaluate.every={cfg.evaluate.every}: no evaluation after epoch {self.epoch}"
         return None
 

@@ -92,8 +92,3 @@ def resolve(yaml_path: str | Path, params: dict[str, Any] | None, dag_run: Any =
         raise ConfigError(f"params.epochs={cfg.epochs} exceeds the {dag_epochs} epochs this DAG was built with; "
                           f"raise epochs in {yaml_path} (the DAG's shape) instead")
     return cfg
-
-
-def should_evaluate(epoch: int, total_epochs: int, every: int) -> bool:
-    """Mirror of ``verl_tasks.phases.evaluate.should_evaluate`` without importing torch."""
-    return epoch == total_epochs - 1 or (every > 0 and (epoch + 1) % every == 0)

@@ -19,7 +19,7 @@ class RayJobTrigger(BaseTrigger):
         poll_interval: seconds between status polls.
     """
 
-    def __init__(self, submission_id: str, ray_conn_id: str | None = "ray_default", poll_interval: float = 1.0):
+    def __init__(self, submission_id: str, ray_conn_id: str | None = "ray_default", poll_interval: float = 0.5):
         super().__init__()
         self.submission_id = submission_id
         self.ray_conn_id = ray_conn_id

@@ -23,7 +23,6 @@ from pathlib import Path
 
 from verl_tasks.config import PHASES, parse_config
 from verl_tasks.execution import UnitSpec
-from verl_tasks.execution.inline import InlineBackend, record_summary
 
 log = logging.getLogger("verl_tasks.execution.entry")
 FAIL_ONCE_ENV = "VERL_TASKS_FAIL_ONCE"
@@ -68,22 +67,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", required=True, choices=PHASES)
     parser.add_argument("--epoch", required=True, type=int)
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--resident", action="store_true",
+                        help="run the unit on a warm, detached Ray actor instead of in this process")
+    parser.add_argument("--slots", type=int, default=1, help="resident workers that mapped phases spread over")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("botocore", "urllib3", "s3transfer", "great_expectations", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     started = time.monotonic()
     try:
-        config = parse_config(decode_config(args.config_b64))
-        spec = UnitSpec(config.experiment, args.phase, args.epoch, args.batch)
+        config_json = decode_config(args.config_b64)
+        config = parse_config(config_json)
         maybe_fail_once(os.environ.get(FAIL_ONCE_ENV))
-        record = InlineBackend().run(config, spec, _credentials_from_env())
+        if args.resident:
+            from verl_tasks.execution.resident import run_on_resident_worker
+
+            result = run_on_resident_worker(config_json, args.phase, args.epoch, args.batch,
+                                            _credentials_from_env(), args.slots)
+            for line in result.pop("log", []):
+                sys.stderr.write(line + "\n")
+            if not result.get("ok"):
+                raise RuntimeError(result.get("error", "unit failed on the resident worker"))
+            summary = {k: v for k, v in result.items() if k != "ok"}
+        else:
+            from verl_tasks.execution.inline import InlineBackend, record_summary
+
+            spec = UnitSpec(config.experiment, args.phase, args.epoch, args.batch)
+            summary = record_summary(InlineBackend().run(config, spec, _credentials_from_env()))
     except Exception as err:  # noqa: BLE001 - reported as the job's last line, then a non-zero exit
         log.exception("unit failed")
         sys.stdout.write(json.dumps({"ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}) + "\n")
         sys.stdout.flush()
         return 1
-    summary = {"ok": True, **record_summary(record), "duration_s": round(time.monotonic() - started, 3)}
+    summary = {"ok": True, **summary, "duration_s": round(time.monotonic() - started, 3)}
     sys.stdout.write(json.dumps(summary, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
     return 0

@@ -108,6 +108,10 @@ def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_
         f"--port={port}", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
         "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--disable-usage-stats",
         f"--temp-dir={tmpdir}",
+        # Every fixed port derives from the two given ones, so two project heads (demo + tests) coexist.
+        f"--dashboard-agent-listen-port={dashboard_port + 1}", f"--dashboard-agent-grpc-port={dashboard_port + 2}",
+        f"--metrics-export-port={dashboard_port + 3}", f"--runtime-env-agent-port={dashboard_port + 4}",
+        f"--ray-client-server-port={port + 1}",
     ]
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

@@ -125,8 +125,12 @@ class RayJobBackend:
         backend.wait(handle.submission_id)
     """
 
-    def __init__(self, target: RayTarget, *, python: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, target: RayTarget, *, python: str | None = None, env: dict[str, str] | None = None,
+                 resident: bool | None = None, slots: int | None = None):
         self.target = target
+        # Resident workers (warm detached actors) unless VERL_TASKS_RESIDENT=0: see execution/resident.py.
+        self.resident = resident if resident is not None else os.environ.get("VERL_TASKS_RESIDENT", "1") != "0"
+        self.slots = slots or int(os.environ.get("VERL_TASKS_RESIDENT_SLOTS", "1"))
         self.python = python or os.environ.get("VERL_TASKS_RAY_PYTHON", "python")
         self.env = dict(env or {})
         self._client = None
@@ -168,6 +172,8 @@ class RayJobBackend:
                  "--phase", spec.phase, "--epoch", str(spec.epoch)]
         if spec.batch is not None:
             parts += ["--batch", str(spec.batch)]
+        if self.resident:
+            parts += ["--resident", "--slots", str(self.slots)]
         return " ".join(shlex.quote(p) for p in parts)
 
     def submit(

@@ -64,8 +64,3 @@ def evaluate(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitR
     del batch
     evaluate_base(ctx)
     return evaluate_version(ctx, epoch + 1, ctx.layout.evaluate(epoch), epoch)
-
-
-def should_evaluate(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
-    every = ctx.config.evaluate.every
-    return epoch == total_epochs - 1 or (every > 0 and (epoch + 1) % every == 0)

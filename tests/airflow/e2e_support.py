@@ -1,0 +1,222 @@
+"""Helpers for the end-to-end test: a throwaway PostgreSQL database, `airflow standalone` as a
+process group we own, and a small REST API v2 client. Everything started here is stopped by
+its own PID (never by name)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port(span: int = 1) -> int:
+    """A port p such that p..p+span-1 are all free on 127.0.0.1 right now."""
+    for _ in range(200):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1]
+        if base + span >= 65000:
+            continue
+        ok = True
+        for offset in range(1, span):
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", base + offset))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"no run of {span} free ports found")
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------
+PG_HOST, PG_PORT = "127.0.0.1", 5432
+
+
+def _psql(sql: str, user: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["psql", "-h", PG_HOST, "-p", str(PG_PORT), "-U", user, "-d", "postgres", "-v",
+                           "ON_ERROR_STOP=1", "-qAtc", sql], capture_output=True, text=True, timeout=60)
+
+
+def pg_user() -> str | None:
+    """The first role that can log in without a password (trust auth), or None."""
+    for user in ("postgres", "root"):
+        try:
+            if _psql("select 1", user).returncode == 0:
+                return user
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            return None
+    return None
+
+
+@dataclass
+class PgDatabase:
+    name: str
+    user: str
+
+    @property
+    def sync_url(self) -> str:
+        return f"postgresql+psycopg2://{self.user}@{PG_HOST}:{PG_PORT}/{self.name}"
+
+    @property
+    def async_url(self) -> str:
+        return f"postgresql+asyncpg://{self.user}@{PG_HOST}:{PG_PORT}/{self.name}"
+
+    @classmethod
+    def create(cls, user: str) -> "PgDatabase":
+        name = f"vt_e2e_{uuid.uuid4().hex[:10]}"
+        done = _psql(f"CREATE DATABASE {name}", user)
+        if done.returncode:
+            raise RuntimeError(f"CREATE DATABASE {name} failed: {done.stderr}")
+        return cls(name, user)
+
+    def drop(self) -> None:
+        done = _psql(f"DROP DATABASE IF EXISTS {self.name} WITH (FORCE)", self.user)
+        if done.returncode:
+            sys.stderr.write(f"could not drop database {self.name}: {done.stderr}\n")
+
+
+# -- airflow standalone ----------------------------------------------------------------------
+@dataclass
+class Standalone:
+    home: Path
+    port: int
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    log_path: Path = field(default=None)  # type: ignore[assignment]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.log_path = self.home / "standalone.log"
+        out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([str(VENV_BIN / "airflow"), "standalone"], env=self.env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=str(self.home))
+        out.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 40) -> None:
+        """SIGTERM the process group we started (standalone and its children), then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(pgid):
+                    break
+                time.sleep(0.3)
+        self.proc.wait(timeout=5)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no standalone log)"
+
+    def task_logs(self, dag_id: str, run_id: str) -> dict[str, str]:
+        """Every task log file of a run (relative path -> text)."""
+        root = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
+        return {str(p.relative_to(root)): p.read_text(errors="replace") for p in sorted(root.rglob("*.log"))}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- REST API v2 -----------------------------------------------------------------------------
+class ApiError(RuntimeError):
+    def __init__(self, status: int, body: str, what: str):
+        super().__init__(f"{what}: HTTP {status}: {body[:2000]}")
+        self.status = status
+
+
+class Api:
+    """Just enough of Airflow's REST API v2. All-admins simple auth: the server adds the token;
+    if it answers 401 anyway, a token is fetched from ``POST /auth/token`` once."""
+
+    def __init__(self, base_url: str):
+        self.base = base_url.rstrip("/")
+        self.token: str | None = None
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 30) -> Any:
+        for attempt in range(2):
+            data = None if body is None else json.dumps(body).encode()
+            req = urllib.request.Request(self.base + path, data=data, method=method)
+            req.add_header("Content-Type", "application/json")
+            req.add_header("Accept", "application/json")
+            if self.token:
+                req.add_header("Authorization", f"Bearer {self.token}")
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    text = resp.read().decode()
+                    return json.loads(text) if text else None
+            except urllib.error.HTTPError as err:
+                text = err.read().decode(errors="replace")
+                if err.code == 401 and attempt == 0 and path != "/auth/token":
+                    self.token = self.request("POST", "/auth/token", {})["access_token"]
+                    continue
+                raise ApiError(err.code, text, f"{method} {path}") from None
+        raise AssertionError("unreachable")
+
+    # convenience
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        out = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances?limit=500")
+        return out["task_instances"]
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
+
+    def clear(self, dag_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.request("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances", {"dry_run": False, **body})
+
+
+def ti_key(ti: dict[str, Any]) -> str:
+    return ti["task_id"] if ti.get("map_index", -1) < 0 else f"{ti['task_id']}[{ti['map_index']}]"
+
+
+def states(tis: list[dict[str, Any]]) -> dict[str, str | None]:
+    return {ti_key(ti): ti["state"] for ti in sorted(tis, key=lambda t: (t["task_id"], t.get("map_index", -1)))}
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, every: float = 1.0,
+             diagnose: Callable[[], str] | None = None) -> Any:
+    """Call ``probe`` until it returns something truthy; on timeout raise with ``diagnose()``."""
+    deadline = time.monotonic() + timeout_s
+    last_err: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = probe()
+            if value:
+                return value
+        except Exception as err:  # noqa: BLE001 - retried until the deadline
+            last_err = err
+        time.sleep(every)
+    extra = diagnose() if diagnose else ""
+    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} (last error: {last_err})\n{extra}")

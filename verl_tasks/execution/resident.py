@@ -1,0 +1,76 @@
+"""Resident phase workers: detached Ray actors that keep Python, torch and transformers warm.
+
+A Ray job per unit keeps the Jobs API's guarantees (deterministic ids, attach on
+retry, logs, stop), but a fresh job process spends seconds importing torch and
+transformers. With the resident path, the job's entrypoint stays light: it
+connects to the cluster and hands the unit to a named, detached actor that
+already has everything imported. If that actor dies (node lost, OOM, SIGKILL),
+the call fails, the job fails, Airflow retries it, and Ray restarts the actor;
+the actor holds no state the store does not, so nothing is lost.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+import verl_tasks
+
+NAMESPACE = "verl-tasks"
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@ray.remote(num_cpus=0, max_concurrency=1, max_restarts=-1)
+class PhaseWorker:
+    """Runs units one at a time in a warm process; returns the summary and the unit's log lines."""
+
+    def __init__(self) -> None:
+        import verl_tasks.runner  # noqa: F401 - import the heavy modules once, now
+
+        logging.getLogger().setLevel(logging.INFO)
+
+    def run(self, config_json: dict[str, Any], phase: str, epoch: int, batch: int | None,
+            credentials: dict[str, str] | None) -> dict[str, Any]:
+        from verl_tasks.config import parse_config
+        from verl_tasks.execution import UnitSpec
+        from verl_tasks.execution.inline import InlineBackend, record_summary
+
+        capture = _Capture()
+        root = logging.getLogger()
+        root.addHandler(capture)
+        try:
+            config = parse_config(config_json)
+            record = InlineBackend().run(config, UnitSpec(config.experiment, phase, epoch, batch), credentials)
+            return {"ok": True, **record_summary(record), "log": capture.lines}
+        except Exception as err:  # noqa: BLE001 - returned to the job, which fails with it
+            logging.getLogger(__name__).exception("unit failed")
+            return {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000], "log": capture.lines}
+        finally:
+            root.removeHandler(capture)
+
+
+def worker_name(phase: str, batch: int | None, slots: int) -> str:
+    """Mapped phases spread over ``slots`` workers; each name is tied to the code version."""
+    slot = (batch or 0) % max(1, slots)
+    return f"phase-worker-{verl_tasks.__version__}-{slot}"
+
+
+def run_on_resident_worker(config_json: dict[str, Any], phase: str, epoch: int, batch: int | None,
+                           credentials: dict[str, str] | None, slots: int = 1) -> dict[str, Any]:
+    """Connect to the job's cluster, get or create the worker, run the unit there."""
+    if not ray.is_initialized():
+        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+    worker = PhaseWorker.options(
+        name=worker_name(phase, batch, slots), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote()
+    return ray.get(worker.run.remote(config_json, phase, epoch, batch, credentials))
