@@ -201,6 +201,7 @@ class FaultToleranceConfig(Strict):
     max_retry_delay_s: float = Field(300, ge=0)
     timeout_s: dict[str, float] = Field(default_factory=dict, description="per phase")
     max_failed_batch_fraction: float = Field(0.5, gt=0, le=1)
+    safe_mode: bool = Field(True, description="halt the experiment when a unit exhausts its retries")
 
     @field_validator("timeout_s")
     @classmethod

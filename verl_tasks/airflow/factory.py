@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow.sdk import DAG, Asset, Param, TaskGroup
 
-from verl_tasks.airflow import runconfig
+from verl_tasks.airflow import callbacks, runconfig
 from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
 from verl_tasks.config import NAME_PATTERN, parse_config
 
@@ -139,6 +139,9 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                     timeout = ft.timeout_s.get(phase)
                     if timeout:
                         kwargs["execution_timeout"] = timedelta(seconds=timeout)
+                    if ft.safe_mode:
+                        kwargs["on_retry_callback"] = callbacks.on_retry
+                        kwargs["on_failure_callback"] = callbacks.on_failure
                     if phase in GPU_PHASES and gpu_pool:
                         kwargs["pool"] = gpu_pool
                     if phase == "snapshot" and epoch == cfg.epochs - 1:

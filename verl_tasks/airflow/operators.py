@@ -22,7 +22,7 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from verl_tasks.airflow import runconfig
 from verl_tasks.airflow.connections import credential_env, s3_access
-from verl_tasks.errors import ConfigError, JobFailed, PhaseFailed
+from verl_tasks.errors import ConfigError, JobFailed, PhaseFailed, SafeMode
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.inline import record_summary
 from verl_tasks.layout import Layout
@@ -81,6 +81,11 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         store = self.store(cfg, access)
         layout = Layout(cfg.experiment)
         exists = store.exists(layout.experiment_json)
+        if store.exists(layout.safe_mode):
+            raise SafeMode(
+                f"experiment {cfg.experiment!r} is in safe mode; see `verl-tasks status`, fix the cause, run "
+                f"`verl-tasks resume CONFIG --experiment {cfg.experiment}`, then trigger again"
+            )
         mode = params.get("resume") or "latest"
         if mode not in runconfig.RESUME_MODES:
             raise ConfigError(f"params.resume={mode!r}; use one of {runconfig.RESUME_MODES}")

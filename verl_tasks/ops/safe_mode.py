@@ -55,20 +55,22 @@ def leave_safe_mode(store: ObjectStore, layout: Layout, by: str = "verl-tasks re
     return True
 
 
-def escalate(config: ExperimentConfig, failed_units: list[dict[str, Any]], reason: str) -> dict[str, Any]:
+def escalate(config: ExperimentConfig, failed_units: list[dict[str, Any]], reason: str,
+             store: ObjectStore | None = None) -> dict[str, Any]:
     """Put an experiment in safe mode after its retries are exhausted; return the summary for a callback.
 
     Args:
         config: the experiment.
         failed_units: one dict per failed unit, e.g. ``{"unit": ..., "error": ..., "try_number": ...}``.
         reason: why the experiment is halted (e.g. "update failed after 3 retries").
+        store: the experiment's store (built from the config when not given).
     Returns:
         The safe-mode record: ``summary`` (a short text), ``what_to_do`` (a runbook text),
         ``failed_units``, ``reason``, ``experiment``, ``entered_at``.
     """
     from verl_tasks.runner import store_for
 
-    store = store_for(config)
+    store = store or store_for(config)
     layout = Layout(config.experiment)
     names = ", ".join(str(u.get("unit", "?")) for u in failed_units) or "none named"
     errors = "; ".join(f"{u.get('unit', '?')}: {str(u.get('error', ''))[:300]}" for u in failed_units)

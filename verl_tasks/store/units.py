@@ -145,10 +145,13 @@ class UnitWriter:
         record = CommitRecord(self.unit, self.attempt, dict(self.files), dict(meta or {}), time.time())
         if self.store.put_if_absent(f"{self.unit}/{MARKER}", record.to_json()):
             return record, True
-        self.discard()
         winner = read_marker(self.store, self.unit)
         if winner is None:  # pragma: no cover - a marker cannot vanish between the two calls
             raise StoreError(f"{self.unit}: marker write refused but no marker found")
+        if winner.attempt == self.attempt:
+            # Our write landed but its reply was lost; the client's retry then saw our own marker.
+            return winner, True
+        self.discard()
         log.info("unit %s was committed by attempt %s first; discarded %s", self.unit, winner.attempt, self.attempt)
         return winner, False
 
