@@ -151,15 +151,25 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
         monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
         monkeypatch.setenv("VERL_TASKS_S3_ENDPOINT", moto_endpoint)
-        ray_port, dash_port = free_port(2), free_port(5)
+        taken: set[int] = set()
+
+        def pick(span: int = 1) -> int:  # free now, and not one another component was given
+            while True:
+                base = free_port(span)
+                if not taken & set(range(base, base + span)):
+                    taken.update(range(base, base + span))
+                    return base
+
+        ray_port, dash_port = pick(2), pick(5)
         head_state = tmp_path / "ray-head"
-        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=2)
-        stop.callback(shutil.rmtree, head.tmpdir, True)
-        stop.callback(local_head.stop, head_state)
+        # Airflow (the long pole: it migrates the database first) starts before the head; the
+        # head's client settings are known from its ports and state folder.
+        head_env = {"VERL_TASKS_RAY_ADDRESS": f"http://127.0.0.1:{dash_port}",
+                    "RAY_AUTH_TOKEN_PATH": str(head_state.resolve() / "auth_token")}
 
         home = tmp_path / "airflow-home"
         (home / "plugins").mkdir(parents=True)
-        port = free_port()
+        port = pick()
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
         env.update({
@@ -186,23 +196,30 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
             # seconds; with the default 5 s timeout the worker retries and the retry gets HTTP 400.
             "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90",
             # Log servers of the worker and the triggerer bind all interfaces on fixed ports by default.
-            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(pick()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(pick()),
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "300",
             f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps({
                 "conn_type": "aws", "login": AWS_KEY, "password": AWS_SECRET,
                 "extra": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}),
-            **head.client_env(),  # VERL_TASKS_RAY_ADDRESS, RAY_AUTH_TOKEN_PATH
+            # The failure callback pauses the DAG through this connection (safe mode).
+            "AIRFLOW_CONN_VERL_AIRFLOW_API": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port}),
+            **head_env,
         })
+        started = time.monotonic()
         airflow = Standalone(home, port, env)
         airflow.start()
         stop.callback(airflow.stop)
+
+        stop.callback(shutil.rmtree, f"/tmp/vt-ray-{ray_port}", True)
+        stop.callback(local_head.stop, head_state)
+        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=2)
+        assert head.client_env() == head_env, (head.client_env(), head_env)
         api = Api(airflow.base_url)
 
         def diagnose() -> str:
             return f"standalone alive={airflow.alive()}; log tail:\n{airflow.log_tail()}"
 
-        started = time.monotonic()
         wait_for("the Airflow API", lambda: airflow.alive() and api.request("GET", "/api/v2/version"), 180,
                  diagnose=diagnose)
         wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 120,
@@ -229,18 +246,20 @@ def _failing_logs(airflow: Standalone, run_id: str, tis: list[dict]) -> str:
     return "\n".join(out)[-12000:]
 
 
+def _diagnose(api: Api, airflow: Standalone, run_id: str) -> str:
+    tis = api.task_instances(DAG_ID, run_id)
+    return (f"task states: {json.dumps(states(tis), indent=1)}\n{_failing_logs(airflow, run_id, tis)}\n"
+            f"standalone log tail:\n{airflow.log_tail(30)}")
+
+
 def _wait_run(api: Api, airflow: Standalone, run_id: str, timeout_s: float) -> tuple[str, list[dict]]:
     """Wait until the run is terminal; return (state, task instances)."""
     def probe():
         state = api.dag_run(DAG_ID, run_id)["state"]
         return state if state in TERMINAL else None
 
-    def diagnose() -> str:
-        tis = api.task_instances(DAG_ID, run_id)
-        return (f"task states: {json.dumps(states(tis), indent=1)}\n{_failing_logs(airflow, run_id, tis)}\n"
-                f"standalone log tail:\n{airflow.log_tail(30)}")
-
-    state = wait_for(f"run {run_id} to finish", probe, timeout_s, every=1.0, diagnose=diagnose)
+    state = wait_for(f"run {run_id} to finish", probe, timeout_s, every=1.0,
+                     diagnose=lambda: _diagnose(api, airflow, run_id))
     return state, api.task_instances(DAG_ID, run_id)
 
 
@@ -262,20 +281,45 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
                       {"dag_run_id": run_id, "logical_date": None, "conf": conf})
     assert run["dag_run_id"] == run_id
 
-    # -- 2. the faulty map index fails, the run ends failed -------------------------------------
-    state, tis = _wait_run(api, airflow, run_id, 300)
+    # -- 2. the faulty map index fails -------------------------------------------------------
+    def failed_yet():
+        tis = api.task_instances(DAG_ID, run_id)
+        return tis if states(tis).get(f"{ROLLOUT}[1]") == "failed" else None
+
+    tis = wait_for(f"{ROLLOUT}[1] to fail", failed_yet, 300, diagnose=lambda: _diagnose(api, airflow, run_id))
+    print(f"rollout[1] failed after {time.monotonic() - t0:.0f}s: {states(tis)}")
+    assert flag.exists(), "the Ray job never saw the fault flag"
+    failed_log = "\n".join(text for path, text in airflow.task_logs(DAG_ID, run_id).items()
+                           if path.startswith(f"task_id={ROLLOUT}/map_index=1/"))
+    assert "injected fault" in failed_log, failed_log[-4000:]
+
+    # -- 2b. retries exhausted -> safe mode (docs/fault-tolerance.md): the failure callback wrote
+    # control/safe_mode.json and paused the DAG. The runbook: `verl-tasks resume`, unpause, Clear.
+    from verl_tasks.layout import Layout
+    from verl_tasks.store import open_store
+
+    store = open_store(stack["store_uri"], endpoint_url=stack["endpoint"],
+                       credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
+    layout = Layout(EXPERIMENT)
+    wait_for("safe mode", lambda: store.exists(layout.safe_mode), 60)
+    wait_for("the failure callback to pause the DAG",
+             lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}")["is_paused"], 60)
+    resumed = subprocess.run([str(Path(sys.executable).parent / "verl-tasks"), "resume", str(stack["yaml"]),
+                              "--experiment", EXPERIMENT], capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert not store.exists(layout.safe_mode)
+    api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
+
+    # unpaused, the scheduler finishes the run: downstream upstream_failed, run failed
+    state, tis = _wait_run(api, airflow, run_id, 120)
     by_key = states(tis)
-    print(f"after the fault ({time.monotonic() - t0:.0f}s): run {state}; {by_key}")
+    print(f"run {state} after {time.monotonic() - t0:.0f}s: {by_key}")
     why = f"{json.dumps(by_key, indent=1)}\n{_failing_logs(airflow, run_id, tis)}"
     assert state == "failed", why
     assert by_key[f"{ROLLOUT}[1]"] == "failed", why
     assert by_key[f"{ROLLOUT}[0]"] == "success", why
     assert by_key["configure"] == by_key["epoch_000.plan"] == "success", why
     assert all(by_key[k] == "upstream_failed" for k in by_key if k.startswith("epoch_000.score")), why
-    assert flag.exists(), "the Ray job never saw the fault flag"
-    failed_log = "\n".join(text for path, text in airflow.task_logs(DAG_ID, run_id).items()
-                           if path.startswith(f"task_id={ROLLOUT}/map_index=1/"))
-    assert "injected fault" in failed_log, failed_log[-4000:]
 
     # -- 3. Clear exactly that map index with its downstream, as the UI does ---------------------
     cleared_at = _now()
@@ -297,14 +341,9 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     from verl_tasks.config import load_config
     from verl_tasks.events import read_events
     from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
-    from verl_tasks.layout import Layout
     from verl_tasks.runner import status
-    from verl_tasks.store import open_store
     from verl_tasks.store.units import ATTEMPTS, MARKER, read_jsonl, read_marker
 
-    store = open_store(stack["store_uri"], endpoint_url=stack["endpoint"],
-                       credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
-    layout = Layout(EXPERIMENT)
     keys = store.list(layout.root + "/")
     units = sorted(k[: -len(MARKER) - 1] for k in keys if k.endswith("/" + MARKER))
     attempts: dict[str, set[str]] = {}
@@ -324,7 +363,9 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     committed = Counter(e["unit"] for e in events if e["kind"] == "committed")
     assert all(n == 1 for n in committed.values()), committed
     assert set(committed) == set(units), (sorted(committed), units)
-    assert not [e for e in events if e["kind"] in ("lost_race", "failed", "quarantined")]
+    kinds = Counter(e["kind"] for e in events)
+    assert not kinds["lost_race"] and not kinds["failed"] and not kinds["quarantined"], kinds
+    assert kinds["safe_mode"] == kinds["resumed"] == 1, kinds
     sample_ids: list[str] = []
     for b in range(2):
         rows = read_jsonl(store, read_marker(store, layout.rollout(0, b)), "samples.jsonl")

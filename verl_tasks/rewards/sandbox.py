@@ -39,6 +39,7 @@ class RewardSandbox:
         self.proc: subprocess.Popen | None = None
         self.reader: int | None = None
         self._buffer = b""
+        self._eof = False
 
     def _limits(self) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (self.memory_limit, self.memory_limit))
@@ -58,6 +59,7 @@ class RewardSandbox:
         os.close(write_fd)
         self.reader = read_fd
         self._buffer = b""
+        self._eof = False
         hello = self._read_line(max(30.0, self.timeout_s))
         if hello is None or "load_error" in hello:
             reason = hello["load_error"] if hello else "the worker did not start"
@@ -75,7 +77,8 @@ class RewardSandbox:
                 return None
             chunk = os.read(self.reader, 65536)
             if not chunk:
-                return None  # the worker died
+                self._eof = True  # the worker died
+                return None
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
@@ -113,9 +116,9 @@ class RewardSandbox:
                 self.proc.stdin.flush()
                 reply = self._read_line(self.timeout_s)
             except (BrokenPipeError, OSError):
-                reply = None
+                reply, self._eof = None, True
             if reply is None:
-                crashed = self.proc.poll() is not None
+                crashed = self._eof or self.proc.poll() is not None
                 reason = "worker crashed" if crashed else f"timed out after {self.timeout_s:g}s"
                 self.close()
                 result.scores.append(default)
