@@ -14,3 +14,5 @@ export AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT=60
 export VERL_TASKS_STORE_ROOT="${VERL_TASKS_STORE_ROOT:-$REPO}"
 export PATH="$REPO/.venv/bin:$PATH"
 mkdir -p "$AIRFLOW_HOME"
+# A loaded 2-core machine can take long over a task's first call to the execution API.
+export AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="${AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT:-90}"

@@ -111,7 +111,7 @@ class Standalone:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout_s: float = 40) -> None:
+    def stop(self, timeout_s: float = 15) -> None:
         """SIGTERM the process group we started (standalone and its children), then SIGKILL what is left."""
         if self.proc is None:
             return

@@ -10,7 +10,10 @@ the actor holds no state the store does not, so nothing is lost.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -59,10 +62,21 @@ class PhaseWorker:
             root.removeHandler(capture)
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of the installed package's source: a new deploy gets new workers, never stale ones."""
+    root = Path(verl_tasks.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def worker_name(phase: str, batch: int | None, slots: int) -> str:
-    """Mapped phases spread over ``slots`` workers; each name is tied to the code version."""
+    """Mapped phases spread over ``slots`` workers; each name is tied to the exact code."""
     slot = (batch or 0) % max(1, slots)
-    return f"phase-worker-{verl_tasks.__version__}-{slot}"
+    return f"phase-worker-{verl_tasks.__version__}-{code_fingerprint()}-{slot}"
 
 
 def run_on_resident_worker(config_json: dict[str, Any], phase: str, epoch: int, batch: int | None,
