@@ -71,6 +71,22 @@ def small_overrides(**extra) -> dict:
     return base
 
 
+def write_yaml(folder: Path, overrides: dict) -> Path:
+    """The tiny experiment YAML with dotted-key overrides applied, written to ``folder/exp.yaml``."""
+    import yaml
+
+    raw = yaml.safe_load(TINY_YAML.read_text())
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    path = folder / "exp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
     from verl_tasks.config import load_config

@@ -17,7 +17,7 @@ from verl_tasks.events import read_events
 from verl_tasks.runner import make_context, status, train
 from verl_tasks.store.units import read_marker
 
-from .conftest import ROOT, TINY_YAML, small_overrides
+from .conftest import ROOT, TINY_YAML, small_overrides, write_yaml
 
 
 def test_two_runs_give_identical_weights_and_rerun_computes_nothing(tiny_config, tmp_path):
@@ -51,18 +51,7 @@ def _cli(*args, env=None):
 
 
 def _write_config(tmp_path: Path, **extra) -> Path:
-    import yaml
-
-    raw = yaml.safe_load(TINY_YAML.read_text())
-    for dotted, value in small_overrides(**extra).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return write_yaml(tmp_path, small_overrides(**extra))
 
 
 def _status_json(config: Path, store: str) -> dict:

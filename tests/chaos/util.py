@@ -14,7 +14,7 @@ from verl_tasks.events import read_events
 from verl_tasks.layout import Layout
 from verl_tasks.store.base import ObjectStore
 
-from ..conftest import ROOT, TINY_YAML, small_overrides
+from ..conftest import ROOT, TINY_YAML, small_overrides, write_yaml
 
 SEED = int(os.environ.get("VT_CHAOS_SEED", "20261130"))
 EPOCHS = 2
@@ -32,18 +32,7 @@ def config(store_uri: str, **extra: Any):
 
 
 def write_config(folder: Path, **extra: Any) -> Path:
-    import yaml
-
-    raw = yaml.safe_load(TINY_YAML.read_text())
-    for dotted, value in overrides(**extra).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    path = folder / "exp.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return write_yaml(folder, overrides(**extra))
 
 
 def cli(*args: str) -> list[str]:

@@ -35,10 +35,17 @@ def _svg_curve(rows: list[dict[str, Any]], base: float | None) -> str:
              f'<rect x="{pad}" y="10" width="{width - 2 * pad}" height="{height - 40}" fill="#fafafa" stroke="#ddd"/>']
 
     def xy(i: int, v: float) -> tuple[float, float]:
-        x = pad + (width - 2 * pad) * (i + 1) / n
+        x = pad + 12 + (width - 2 * pad - 24) * (i + 1) / n
         y = 10 + (height - 40) * (1 - max(0.0, min(1.0, v)))
         return x, y
 
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = xy(0, tick)[1]
+        parts.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
+                     f'<text x="2" y="{y + 4:.1f}" font-size="10">{tick:.2f}</text>')
+    for i in range(-1, n):
+        x = xy(i, 0)[0]
+        parts.append(f'<text x="{x - 8:.1f}" y="{height - 20}" font-size="10">{"base" if i < 0 else i}</text>')
     for key, colour in series.items():
         pts = [(i, r["metrics"][key]) for i, r in enumerate(rows) if key in r["metrics"]]
         if key == "eval_accuracy" and base is not None:

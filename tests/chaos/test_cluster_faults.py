@@ -1,0 +1,532 @@
+"""Chaos matrix, cluster faults (issue 4, rows 1, 9, 10) on the real stack: Airflow 3.3 run as
+separate components (api-server, scheduler, dag-processor, triggerer; LocalExecutor, PostgreSQL),
+a project-local Ray head (token auth on), S3 on a moto server. One stack per module.
+
+1. a rollout unit's worker process (the resident ``PhaseWorker`` actor running it) is SIGKILLed in
+   the middle of its batch: the Ray job fails, Airflow retries it, Ray restarts the actor;
+9. the Ray head is stopped (SIGTERM to its process group) and started again on the same ports with
+   the same token while a rollout is running: the actor and the job history go with the head; the
+   task fails, its retries run the unit again on the new head, the epoch finishes;
+10. the scheduler's process group is SIGKILLed while a rollout is running (deferred) and started
+    again: the run completes.
+
+"Mid-batch" is made reliable with the test-only hold hook (``VERL_TASKS_TEST_HOLD_DIR``, see
+``verl_tasks/execution/inline.py``): the seeded batch waits after loading the policy and before
+generating, and tells its PID. Each test then checks: the run succeeds; every unit is committed
+exactly once (its only attempt folder is the one its marker names; no ``lost_race``); no sample
+id is lost or duplicated; the final ``weights_sha256`` equals the fault-free reference.
+
+    .venv/bin/python -m pytest tests/chaos/test_cluster_faults.py -m chaos -s
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.airflow.e2e_support import Api, PgDatabase, _group_alive, free_port, pg_user, states, wait_for
+
+from . import util
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.airflow]
+
+DAG_ID = "vt_chaos_cluster"
+CONN_ID = "vt_chaos_s3"
+AWS_KEY, AWS_SECRET = "testing-key-id", "testing-secret-value"
+ROLLOUT = "epoch_000.rollout"
+BATCHES = 2
+VENV_BIN = Path(sys.executable).parent
+
+EXPERIMENT_YAML = """\
+experiment: chaos-cluster
+seed: 7
+epochs: 1
+model:
+  source: tiny
+  tiny:
+    warm_start_steps: 60
+data:
+  train: builtin:arith
+  eval: builtin:arith
+  train_size: 400
+  eval_size: 40
+algorithm:
+  group_size: 4
+  lr: 0.0001
+  minibatch_size: 32
+rollout:
+  engine: hf
+  temperature: 1.0
+  max_new_tokens: 5
+  batches_per_epoch: 2
+  prompts_per_batch: 8
+rewards:
+  function: verl_tasks.rewards.builtin:exact_answer
+evaluate:
+  every: 0
+  max_prompts: 8
+fault_tolerance:
+  retries: 4              # automatic retries recover (a head restart can cost two tries)
+  retry_delay_s: 1
+  max_retry_delay_s: 8
+  max_failed_batch_fraction: 1.0
+storage:
+  uri: {uri}
+  aws_conn_id: {conn_id}
+"""
+
+DAG_FILE = """\
+from pathlib import Path
+
+from verl_tasks.airflow.factory import build_dag
+
+dag = build_dag(Path(__file__).parent / "experiments" / "{dag_id}.yaml")
+"""
+
+REFERENCE = """\
+import json, sys
+from verl_tasks.config import load_config
+from verl_tasks.runner import make_context, train
+cfg = load_config(sys.argv[1], {"storage.uri": "file://" + sys.argv[2]})
+print(json.dumps(train(make_context(cfg), cfg.epochs)["latest_snapshot"]))
+"""
+
+
+@dataclass
+class Component:
+    """One Airflow component as a process group we own (started, SIGKILLed, restarted by PID)."""
+
+    name: str
+    home: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.home / f"{self.name}.log", "ab") as out:
+            self.proc = subprocess.Popen([str(VENV_BIN / "airflow"), self.name], env=self.env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True, cwd=str(self.home))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL, wait_s: float = 15) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and (self.proc.poll() is None or _group_alive(pgid)):
+            time.sleep(0.2)
+        if _group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            text = (self.home / f"{self.name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return f"--- {self.name} (alive={self.alive()})\n" + "\n".join(text.splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, moto_endpoint):
+    import boto3
+
+    from verl_tasks.execution import local_head
+    from verl_tasks.execution.inline import HOLD_ENV
+
+    user = pg_user()
+    if user is None:
+        pytest.skip("no PostgreSQL with trust auth at 127.0.0.1:5432")
+    tmp = tmp_path_factory.mktemp("chaos-cluster")
+    with ExitStack() as stop, pytest.MonkeyPatch.context() as mp:
+        db = PgDatabase.create(user)
+        stop.callback(db.drop)
+        bucket = f"vt-chaos-{secrets.token_hex(4)}"
+        boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1", aws_access_key_id=AWS_KEY,
+                     aws_secret_access_key=AWS_SECRET).create_bucket(Bucket=bucket)
+        store_uri = f"s3://{bucket}/runs"
+
+        dags = tmp / "dags"
+        (dags / "experiments").mkdir(parents=True)
+        yaml_path = dags / "experiments" / f"{DAG_ID}.yaml"
+        yaml_path.write_text(EXPERIMENT_YAML.format(uri=store_uri, conn_id=CONN_ID))
+        (dags / f"{DAG_ID}.py").write_text(DAG_FILE.format(dag_id=DAG_ID))
+
+        ref_log = open(tmp / "reference.log", "w")
+        stop.callback(ref_log.close)
+        reference = subprocess.Popen([sys.executable, "-c", REFERENCE, str(yaml_path), str(tmp / "reference")],
+                                     stdout=subprocess.PIPE, stderr=ref_log, text=True, cwd=str(tmp))
+        stop.callback(lambda: reference.poll() is None and reference.kill())
+
+        hold_dir = tmp / "hold"
+        hold_dir.mkdir()
+        # The head's workers (the resident actors) inherit this environment.
+        mp.setenv("AWS_ACCESS_KEY_ID", AWS_KEY)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("VERL_TASKS_S3_ENDPOINT", moto_endpoint)
+        mp.setenv(HOLD_ENV, str(hold_dir))
+        taken: set[int] = set()
+
+        def pick(span: int = 1) -> int:
+            while True:
+                base = free_port(span)
+                if not taken & set(range(base, base + span)):
+                    taken.update(range(base, base + span))
+                    return base
+
+        ray_port, dash_port = pick(2), pick(5)
+        head_state = tmp / "ray-head"
+        head_env = {"VERL_TASKS_RAY_ADDRESS": f"http://127.0.0.1:{dash_port}",
+                    "RAY_AUTH_TOKEN_PATH": str(head_state.resolve() / "auth_token")}
+        home = tmp / "airflow-home"
+        (home / "plugins").mkdir(parents=True)
+        port = pick()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
+        env.update({
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "60",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db.sync_url,
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC": db.async_url,
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+            "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
+            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
+            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
+            # A restarted scheduler treats its killed predecessor as dead soon and resets its orphans.
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
+            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "10",
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
+            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90",
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(pick()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(pick()),
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "300",
+            f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps({
+                "conn_type": "aws", "login": AWS_KEY, "password": AWS_SECRET,
+                "extra": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}),
+            "AIRFLOW_CONN_VERL_AIRFLOW_API": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port}),
+            # one resident worker per batch: killing batch b's worker leaves the other batch alone
+            "VERL_TASKS_RESIDENT_SLOTS": str(BATCHES),
+            **head_env,
+        })
+        started = time.monotonic()
+        migrate = subprocess.Popen([str(VENV_BIN / "airflow"), "db", "migrate"], env=env, cwd=str(home),
+                                   stdout=open(home / "migrate.log", "wb"), stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        stop.callback(lambda: migrate.poll() is None and os.killpg(migrate.pid, signal.SIGKILL))
+        stop.callback(shutil.rmtree, f"/tmp/vt-ray-{ray_port}", True)
+        stop.callback(local_head.stop, head_state)
+        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=2)
+        assert head.client_env() == head_env
+        assert migrate.wait(timeout=300) == 0, (home / "migrate.log").read_text()[-3000:]
+        parts = {name: Component(name, home, env) for name in ("api-server", "scheduler", "dag-processor", "triggerer")}
+        for part in parts.values():
+            part.start()
+            stop.callback(part.stop)
+        api = Api(f"http://127.0.0.1:{port}")
+
+        def diagnose() -> str:
+            return "\n".join(p.tail() for p in parts.values())
+
+        wait_for("the Airflow API", lambda: api.request("GET", "/api/v2/version"), 180, diagnose=diagnose)
+        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 180,
+                 diagnose=diagnose)
+        for path in ("/execution/health", "/execution/health/ping"):
+            try:
+                api.request("GET", path, timeout=120)
+            except Exception as err:  # noqa: BLE001 - only a warm-up
+                print(f"warm-up {path}: {err}")
+        api.request("POST", "/api/v2/pools", {"name": "verl_gpu", "slots": 2, "description": "chaos"})
+        print(f"\nchaos cluster ready in {time.monotonic() - started:.0f}s")
+
+        out, _ = reference.communicate(timeout=600)
+        assert reference.returncode == 0, (tmp / "reference.log").read_text()[-4000:]
+        ref = json.loads(out.strip().splitlines()[-1])
+        yield {"api": api, "parts": parts, "head_state": head_state, "ports": (ray_port, dash_port),
+               "store_uri": store_uri, "endpoint": moto_endpoint, "hold": hold_dir, "yaml": yaml_path,
+               "reference": ref, "diagnose": diagnose, "home": home}
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _store(cluster):
+    from verl_tasks.store import open_store
+
+    return open_store(cluster["store_uri"], endpoint_url=cluster["endpoint"],
+                      credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
+
+
+def _diagnose(cluster, run_id: str) -> str:
+    api: Api = cluster["api"]
+    try:
+        tis = json.dumps(states(api.task_instances(DAG_ID, run_id)), indent=1)
+    except Exception as err:  # noqa: BLE001
+        tis = f"(no task states: {err})"
+    logs = []
+    root = cluster["home"] / "logs" / f"dag_id={DAG_ID}" / f"run_id={run_id}"
+    for path in sorted(root.rglob("*.log")) if root.exists() else []:
+        logs.append(f"--- {path.relative_to(root)}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+    return f"task states: {tis}\n" + "\n".join(logs)[-8000:] + "\n" + cluster["diagnose"]()
+
+
+def _trigger(cluster, experiment: str) -> str:
+    api: Api = cluster["api"]
+    api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
+    run_id = f"chaos_{experiment}"
+    api.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
+                {"dag_run_id": run_id, "logical_date": None, "conf": {"experiment": experiment}})
+    return run_id
+
+
+def _ti_state(cluster, run_id: str, key: str) -> str | None:
+    return states(cluster["api"].task_instances(DAG_ID, run_id)).get(key)
+
+
+def _wait_held(cluster, run_id: str, label: str, timeout_s: float = 240) -> int:
+    held = cluster["hold"] / f"{label}.held"
+    wait_for(f"{label} to reach the middle of its batch", held.exists, timeout_s, every=0.2,
+             diagnose=lambda: _diagnose(cluster, run_id))
+    time.sleep(0.2)
+    return int(held.read_text())
+
+
+def _release(cluster, label: str) -> None:
+    (cluster["hold"] / f"{label}.hold").unlink(missing_ok=True)
+    (cluster["hold"] / f"{label}.held").unlink(missing_ok=True)
+
+
+def _wait_success(cluster, run_id: str, timeout_s: float = 420) -> None:
+    api: Api = cluster["api"]
+
+    def done():
+        state = api.dag_run(DAG_ID, run_id)["state"]
+        if state == "failed":
+            raise AssertionError(f"run {run_id} failed\n{_diagnose(cluster, run_id)}")
+        return state == "success"
+
+    try:
+        wait_for(f"run {run_id} to succeed", done, timeout_s, every=1.0, diagnose=lambda: _diagnose(cluster, run_id))
+    except TimeoutError:
+        raise
+    except Exception as err:
+        if isinstance(err, AssertionError):
+            raise
+        raise
+
+
+def _check_storage(cluster, experiment: str) -> Counter:
+    """Exactly-once, sample ids, weights; returns how many times each unit was started."""
+    from verl_tasks.events import read_events
+    from verl_tasks.layout import Layout
+    from verl_tasks.store.units import ATTEMPTS, MARKER, read_jsonl, read_marker
+
+    store, layout = _store(cluster), Layout(experiment)
+    keys = store.list(layout.root + "/")
+    units = sorted(k[: -len(MARKER) - 1] for k in keys if k.endswith("/" + MARKER))
+    attempts: dict[str, set[str]] = {}
+    for key in keys:
+        at = key.find(f"/{ATTEMPTS}/")
+        if at >= 0:
+            attempts.setdefault(key[:at], set()).add(key[at + len(ATTEMPTS) + 2:].split("/", 1)[0])
+    expected = {layout.unit(p, 0, b) for p in ("rollout", "score") for b in range(BATCHES)}
+    expected |= {layout.unit(p, 0) for p in ("plan", "validate", "update", "snapshot", "evaluate")}
+    assert expected <= set(units), sorted(expected - set(units))
+    for unit in units:
+        record = read_marker(store, unit)
+        assert attempts.get(unit) == {record.attempt}, f"{unit}: attempts {attempts.get(unit)}, marker {record.attempt}"
+    assert set(attempts) <= set(units), f"attempts without a marker: {sorted(set(attempts) - set(units))}"
+    events = read_events(store, layout)
+    committed = Counter(e["unit"] for e in events if e["kind"] == "committed")
+    assert all(n == 1 for n in committed.values()), committed
+    assert set(committed) == set(units), (sorted(committed), units)
+    kinds = Counter(e["kind"] for e in events)
+    assert not kinds["lost_race"] and not kinds["quarantined"] and not kinds["safe_mode"], kinds
+    ids: list[str] = []
+    for b in range(BATCHES):
+        rollout = read_marker(store, layout.rollout(0, b))
+        rows = read_jsonl(store, rollout, "samples.jsonl")
+        assert len(rows) == 8 * 4
+        ids += [r["sample_id"] for r in rows]
+        scored = {r["sample_id"] for r in read_jsonl(store, read_marker(store, layout.score(0, b)), "scores.jsonl")}
+        assert scored == {r["sample_id"] for r in rows}, f"scores of batch {b} do not match its samples"
+    assert len(ids) == len(set(ids)) == BATCHES * 8 * 4, "lost or duplicate sample ids"
+    latest = json.loads(store.get(layout.latest))
+    ref = cluster["reference"]
+    print(f"weights_sha256 {latest['weights_sha256']} / reference {ref['weights_sha256']}")
+    assert latest["version"] == ref["version"] == 1
+    assert latest["weights_sha256"] == ref["weights_sha256"]
+    return Counter(e["unit"] for e in events if e["kind"] == "started")
+
+
+def _redone(started: Counter) -> list[str]:
+    return sorted(u for u, n in started.items() if n > 1)
+
+
+def _ray_jobs(cluster, experiment: str) -> dict[str, str]:
+    from verl_tasks.execution.local_head import read_info
+    from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
+
+    info = read_info(cluster["head_state"])
+    backend = RayJobBackend(RayTarget(info.address, read_token(info.token_file)))
+    return {j.submission_id: str(getattr(j.status, "value", j.status)) for j in backend.client.list_jobs()
+            if (j.submission_id or "").startswith(f"vt-{experiment}-")}
+
+
+def _rng(fault: str) -> random.Random:
+    return random.Random(f"{util.SEED}/{fault}")
+
+
+# -- the tests ---------------------------------------------------------------------------------
+def test_rollout_worker_sigkilled_mid_batch(cluster):
+    rng = _rng("rollout_worker_sigkill")
+    batch = rng.randrange(BATCHES)
+    label = f"e0-rollout-b{batch}"
+    experiment = f"chaos-kill-{secrets.token_hex(2)}"
+    (cluster["hold"] / f"{label}.hold").write_text("hold")
+    t0 = time.monotonic()
+    run_id = _trigger(cluster, experiment)
+    try:
+        pid = _wait_held(cluster, run_id, label)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        assert "ray" in cmdline.lower(), f"pid {pid} is not a Ray worker: {cmdline}"
+        print(f"\nbatch {batch} held in pid {pid} ({cmdline[:80]}); SIGKILL")
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+    finally:
+        _release(cluster, label)
+    wait_for(f"{ROLLOUT}[{batch}] to succeed again", lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success",
+             300, diagnose=lambda: _diagnose(cluster, run_id))
+    recovery_s = time.monotonic() - killed_at
+    _wait_success(cluster, run_id)
+    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; unit recovered in {recovery_s:.1f}s")
+
+    started = _check_storage(cluster, experiment)
+    redone = _redone(started)
+    from verl_tasks.layout import Layout
+
+    assert redone == [Layout(experiment).rollout(0, batch)], started
+    jobs = _ray_jobs(cluster, experiment)
+    prefix = f"vt-{experiment}-e0-rollout-b{batch}-"
+    assert jobs.pop(prefix + "a1") == "FAILED", jobs
+    assert jobs.pop(prefix + "a2") == "SUCCEEDED", jobs
+    assert all(s == "SUCCEEDED" and j.endswith("-a1") for j, s in jobs.items()), jobs
+    util.record("rollout_worker_sigkill", recovery_s=round(recovery_s, 1), redone_units=len(redone),
+                recovery="automatic Airflow retry; Ray restarts the resident actor (max_restarts=-1)",
+                redone=redone)
+
+
+def test_ray_head_restarted_during_epoch(cluster):
+    from verl_tasks.execution import local_head
+
+    rng = _rng("ray_head_restart")
+    batch = rng.randrange(BATCHES)
+    label = f"e0-rollout-b{batch}"
+    experiment = f"chaos-head-{secrets.token_hex(2)}"
+    (cluster["hold"] / f"{label}.hold").write_text("hold")
+    t0 = time.monotonic()
+    run_id = _trigger(cluster, experiment)
+    ray_port, dash_port = cluster["ports"]
+    try:
+        _wait_held(cluster, run_id, label)
+        print(f"\nbatch {batch} held; restarting the Ray head")
+        stopped_at = time.monotonic()
+        assert local_head.stop(cluster["head_state"]), "the head was not running"
+    finally:
+        _release(cluster, label)
+    time.sleep(rng.uniform(1, 4))  # the cluster stays down a (seeded) moment
+    local_head.start(cluster["head_state"], port=ray_port, dashboard_port=dash_port, num_cpus=2)
+    head_down_s = time.monotonic() - stopped_at
+    print(f"head back after {head_down_s:.1f}s")
+    wait_for(f"{ROLLOUT}[{batch}] to succeed again", lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success",
+             300, diagnose=lambda: _diagnose(cluster, run_id))
+    recovery_s = time.monotonic() - stopped_at
+    _wait_success(cluster, run_id)
+    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; unit recovered {recovery_s:.1f}s after the stop")
+
+    started = _check_storage(cluster, experiment)
+    redone = _redone(started)
+    from verl_tasks.layout import Layout
+
+    assert Layout(experiment).rollout(0, batch) in redone, started
+    # only units in flight at the restart can have been redone: rollouts of this epoch
+    assert all("/rollout/" in u for u in redone), redone
+    tries = {k: t["try_number"] for t in cluster["api"].task_instances(DAG_ID, run_id)
+             for k in [f"{t['task_id']}[{t['map_index']}]" if t["map_index"] >= 0 else t["task_id"]]}
+    assert tries[f"{ROLLOUT}[{batch}]"] >= 2, tries
+    util.record("ray_head_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
+                head_down_s=round(head_down_s, 1),
+                recovery="automatic Airflow retries resubmit to the restarted head; the resident actor is recreated",
+                redone=redone)
+
+
+def test_scheduler_restarted_during_run(cluster):
+    rng = _rng("scheduler_restart")
+    batch = rng.randrange(BATCHES)
+    label = f"e0-rollout-b{batch}"
+    experiment = f"chaos-sched-{secrets.token_hex(2)}"
+    scheduler: Component = cluster["parts"]["scheduler"]
+    (cluster["hold"] / f"{label}.hold").write_text("hold")
+    t0 = time.monotonic()
+    run_id = _trigger(cluster, experiment)
+    try:
+        _wait_held(cluster, run_id, label)
+        # Kill while no task holds a worker slot (the held rollout is deferred in the triggerer).
+        wait_for("no running task instance", lambda: not {"running", "queued"} & set(
+            states(cluster["api"].task_instances(DAG_ID, run_id)).values()), 60, every=0.3,
+            diagnose=lambda: _diagnose(cluster, run_id))
+        print(f"\nbatch {batch} held; SIGKILL the scheduler's process group ({scheduler.proc.pid})")
+        killed_at = time.monotonic()
+        scheduler.kill(signal.SIGKILL)
+    finally:
+        _release(cluster, label)  # the job finishes while no scheduler runs
+    time.sleep(rng.uniform(3, 8))
+    scheduler.start()
+    restarted_at = time.monotonic()
+    wait_for(f"{ROLLOUT}[{batch}] to succeed", lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success",
+             300, diagnose=lambda: _diagnose(cluster, run_id))
+    recovery_s = time.monotonic() - killed_at
+    _wait_success(cluster, run_id)
+    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; held unit done {recovery_s:.1f}s after "
+          f"the kill ({time.monotonic() - restarted_at:.1f}s after the restart to run success)")
+
+    started = _check_storage(cluster, experiment)
+    redone = _redone(started)
+    assert not redone, started
+    util.record("scheduler_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
+                scheduler_down_s=round(restarted_at - killed_at, 1),
+                recovery="restart the scheduler; deferred tasks and Ray jobs carry on, the run completes")
