@@ -3,14 +3,17 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# The CPU build of torch 2.13.0 lies on disk here; an unpinned or index-only torch pulls a multi-GB CUDA build.
+WHEELS := $(wildcard /opt/wheels)
+PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
 .PHONY: install demo test test-quick chaos bench airflow lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(PIP_LINKS) torch==2.13.0
+	$(BIN)/pip install -q $(PIP_LINKS) -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -76,3 +76,9 @@ def chaos_exact(data_source, solution_str, ground_truth, extra_info):
                     time.sleep(60)
                 os._exit(9)
     return 1.0 if correct else 0.0
+
+
+def shared_characters(data_source, solution_str, ground_truth, extra_info):
+    """A graded score: the share of the answer's distinct characters found in the response."""
+    wanted = set(ground_truth)
+    return len(wanted & set(solution_str)) / max(1, len(wanted))

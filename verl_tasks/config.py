@@ -193,6 +193,7 @@ class Resources(Strict):
     num_cpus: float = Field(1, ge=0)
     num_gpus: float = Field(0, ge=0)
     memory_mb: int | None = Field(None, gt=0)
+    workers: int = Field(1, ge=1, description="data-parallel processes (only resources.update.workers is used)")
 
 
 class FaultToleranceConfig(Strict):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow.e2e_support import Api, PgDatabase, _group_alive, free_port, pg_user, states, wait_for
+from tests.airflow.e2e_support import Api, PgDatabase, _group_alive, free_port, pg_user, states, ti_key, wait_for
 
 from . import util
 
@@ -228,8 +228,7 @@ def cluster(tmp_path_factory, moto_endpoint):
             "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
             "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
-            # A restarted scheduler treats its killed predecessor as dead soon and resets its orphans.
-            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
+            # A restarted scheduler resets the orphans of its killed predecessor soon (default: every 300 s).
             "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "10",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
@@ -333,20 +332,13 @@ def _release(cluster, label: str) -> None:
 def _wait_success(cluster, run_id: str, timeout_s: float = 420) -> None:
     api: Api = cluster["api"]
 
-    def done():
+    def terminal():
         state = api.dag_run(DAG_ID, run_id)["state"]
-        if state == "failed":
-            raise AssertionError(f"run {run_id} failed\n{_diagnose(cluster, run_id)}")
-        return state == "success"
+        return state if state in ("success", "failed") else None
 
-    try:
-        wait_for(f"run {run_id} to succeed", done, timeout_s, every=1.0, diagnose=lambda: _diagnose(cluster, run_id))
-    except TimeoutError:
-        raise
-    except Exception as err:
-        if isinstance(err, AssertionError):
-            raise
-        raise
+    state = wait_for(f"run {run_id} to finish", terminal, timeout_s, every=1.0,
+                     diagnose=lambda: _diagnose(cluster, run_id))
+    assert state == "success", f"run {run_id} {state}\n{_diagnose(cluster, run_id)}"
 
 
 def _check_storage(cluster, experiment: str) -> Counter:
@@ -485,8 +477,7 @@ def test_ray_head_restarted_during_epoch(cluster):
     assert Layout(experiment).rollout(0, batch) in redone, started
     # only units in flight at the restart can have been redone: rollouts of this epoch
     assert all("/rollout/" in u for u in redone), redone
-    tries = {k: t["try_number"] for t in cluster["api"].task_instances(DAG_ID, run_id)
-             for k in [f"{t['task_id']}[{t['map_index']}]" if t["map_index"] >= 0 else t["task_id"]]}
+    tries = {ti_key(t): t["try_number"] for t in cluster["api"].task_instances(DAG_ID, run_id)}
     assert tries[f"{ROLLOUT}[{batch}]"] >= 2, tries
     util.record("ray_head_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
                 head_down_s=round(head_down_s, 1),

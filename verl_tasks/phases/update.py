@@ -3,7 +3,9 @@
 Reads policy version ``epoch`` (weights and optimizer moments) and the epoch's
 validated samples; writes policy version ``epoch + 1`` into its own unit. The
 snapshot phase then publishes it. Nothing here depends on how many workers ran
-before: optimizer state is keyed by parameter name.
+before: optimizer state is keyed by parameter name, so ``resources.update.workers``
+may change between epochs of one experiment. The loss and the loop live in
+``update_steps``; the data-parallel workers in ``update_parallel``.
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from typing import Any
 
 import torch
 
-from verl_tasks.algos import aggregate_loss, entropy_from_logits, grpo_outcome_advantage, kl_penalty, policy_loss_vanilla
+from verl_tasks.algos import grpo_outcome_advantage
 from verl_tasks.models.checkpoint import OPTIMIZER, load_optimizer, save_optimizer, save_policy
 from verl_tasks.phases.common import PhaseContext, load_version, policy_folder, require, run_unit
+from verl_tasks.phases.update_parallel import train_parallel
+from verl_tasks.phases.update_steps import UpdateInputs, response_logprobs, train_single
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -50,22 +54,6 @@ def collate(samples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tenso
     }
 
 
-def response_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities ``[B, R]`` of the response tokens (logits divided by the sampling temperature)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    index = batch["positions"].unsqueeze(-1).expand(-1, -1, logits.size(-1))
-    picked = torch.gather(logits, 1, index).float() / temperature
-    logp = torch.log_softmax(picked, dim=-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(picked) if with_entropy else None
-    return logp, entropy
-
-
-def _select(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {key: value[rows] for key, value in batch.items()}
-
-
 def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
     """The epoch's samples joined with their scores, in (batch, sample) order."""
     out = []
@@ -77,7 +65,65 @@ def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
     return out
 
 
+
+
+def prepare_inputs(
+    samples: list[dict[str, Any]], model: torch.nn.Module, ref_model: torch.nn.Module | None, pad_id: int, temperature: float,
+    norm_adv_by_std: bool,
+) -> UpdateInputs:
+    """Collate, GRPO advantages from the outcome scores, and the frozen log-probs (old policy, reference)."""
+    data = collate(samples, pad_id)
+    mask = data["response_mask"]
+    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+    token_rewards = torch.zeros_like(mask)
+    last = (mask.sum(-1).long() - 1).clamp_min(0)
+    token_rewards[torch.arange(len(samples)), last] = scores
+    advantages = grpo_outcome_advantage(token_rewards, mask, [s["prompt_id"] for s in samples], norm_adv_by_std)
+    with torch.no_grad():
+        model.eval()
+        old_logp, _ = response_logprobs(model, data, temperature)
+        ref_logp = response_logprobs(ref_model, data, temperature)[0] if ref_model is not None else None
+    return UpdateInputs(data, old_logp, advantages, ref_logp)
+
+
+def _train_here(
+    ctx: PhaseContext, epoch: int, model: torch.nn.Module, tokenizer: Any, optimizer_path: Path | None,
+    inputs: UpdateInputs, seed: int, out: Path,
+) -> tuple[dict[str, float], int, dict[str, Any]]:
+    """One process: train, then write ``out/policy/`` and ``out/optimizer.safetensors``."""
+    algo = ctx.config.algorithm
+    optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
+    if optimizer_path is not None:
+        load_optimizer(optimizer, model, optimizer_path)
+    on_step = lambda step: ctx.hook("update_step", epoch=epoch, step=step)  # noqa: E731
+    totals, steps = train_single(model, optimizer, inputs, algo, ctx.config.rollout.temperature, seed, on_step)
+    model.eval()
+    save_policy(model, tokenizer, out / "policy")
+    return totals, steps, save_optimizer(optimizer, model, out / OPTIMIZER)
+
+
+def _train_workers(
+    ctx: PhaseContext, epoch: int, policy_dir: Path, optimizer_path: Path | None, inputs: UpdateInputs, seed: int,
+    out: Path,
+) -> tuple[dict[str, float], int, dict[str, Any]]:
+    """Data-parallel workers (``update_parallel``); the step hook runs here once they are done."""
+    result = train_parallel(
+        unit=ctx.layout.update(epoch), config=ctx.config, inputs=inputs, policy_dir=policy_dir,
+        optimizer_path=optimizer_path, seed=seed, out=out,
+    )
+    for step in range(1, result.steps + 1):
+        ctx.hook("update_step", epoch=epoch, step=step)
+    return result.totals, result.steps, result.optimizer
+
+
 def update(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
+    """Train policy version ``epoch`` on the epoch's samples; commit version ``epoch + 1``.
+
+    Runs in this process, or on ``resources.update.workers`` data-parallel workers.
+
+    Raises:
+        PhaseFailed: an input unit is missing, or a worker failed or timed out.
+    """
     del batch
     cfg = ctx.config
     algo = cfg.algorithm
@@ -87,79 +133,40 @@ def update(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRec
         planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
         samples = load_epoch_samples(ctx, epoch)
         model, tokenizer, _ = load_version(ctx, planned["policy_version"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
         folder, record = policy_folder(ctx, planned["policy_version"])
-        if OPTIMIZER in record.files:
-            load_optimizer(optimizer, model, folder / OPTIMIZER)
-        ref_model = None
-        if algo.kl_type.value != "none":
-            ref_model, _, _ = load_version(ctx, 0)
-
-        data = collate(samples, tokenizer.pad_token_id)
-        mask = data["response_mask"]
-        scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
-        token_rewards = torch.zeros_like(mask)
-        last = (mask.sum(-1).long() - 1).clamp_min(0)
-        token_rewards[torch.arange(len(samples)), last] = scores
-        advantages = grpo_outcome_advantage(token_rewards, mask, [s["prompt_id"] for s in samples], algo.norm_adv_by_std)
-        temperature = cfg.rollout.temperature
-        with torch.no_grad():
-            model.eval()
-            old_logp, _ = response_logprobs(model, data, temperature)
-            ref_logp = response_logprobs(ref_model, data, temperature)[0] if ref_model is not None else None
-
-        model.train()
-        generator = torch.Generator().manual_seed(planned["update_seed"])
-        totals: dict[str, float] = {}
-        steps = 0
-        for _ in range(algo.ppo_epochs):
-            order = torch.randperm(len(samples), generator=generator)
-            for start in range(0, len(samples), algo.minibatch_size):
-                rows = order[start : start + algo.minibatch_size]
-                mb = _select(data, rows)
-                logp, entropy = response_logprobs(model, mb, temperature, with_entropy=True)
-                pg_loss, pg_metrics = policy_loss_vanilla(
-                    old_logp[rows], logp, advantages[rows], mb["response_mask"],
-                    algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, algo.loss_agg_mode.value,
-                )
-                entropy_loss = aggregate_loss(entropy, mb["response_mask"], algo.loss_agg_mode.value)
-                loss = pg_loss - algo.entropy_coef * entropy_loss
-                step_metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item()}
-                if ref_logp is not None:
-                    kl = aggregate_loss(kl_penalty(logp, ref_logp[rows], algo.kl_type.value), mb["response_mask"], algo.loss_agg_mode.value)
-                    loss = loss + algo.kl_coef * kl
-                    step_metrics["actor/kl_loss"] = kl.item()
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.grad_clip)
-                optimizer.step()
-                step_metrics["actor/loss"] = loss.item()
-                step_metrics["actor/grad_norm"] = float(grad_norm)
-                for key, value in step_metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                steps += 1
-                ctx.hook("update_step", epoch=epoch, step=steps)
-
-        metrics = {key: value / steps for key, value in totals.items()}
-        metrics.update(
-            {
-                "reward_mean": scores.mean().item(),
-                "reward_std": scores.std(unbiased=True).item() if len(scores) > 1 else 0.0,
-                "response_length_mean": mask.sum(-1).mean().item(),
-                "samples": len(samples),
-                "optimizer_steps": steps,
-            }
-        )
-        model.eval()
+        optimizer_path = folder / OPTIMIZER if OPTIMIZER in record.files else None
+        ref_model = load_version(ctx, 0)[0] if algo.kl_type.value != "none" else None
+        inputs = prepare_inputs(samples, model, ref_model, tokenizer.pad_token_id, cfg.rollout.temperature, algo.norm_adv_by_std)
+        workers = cfg.phase_resources("update").workers
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
-            for path in save_policy(model, tokenizer, out / "policy"):
+            if workers > 1:
+                log.info("update of epoch %d on %d data-parallel workers", epoch, workers)
+                totals, steps, hyper = _train_workers(ctx, epoch, folder, optimizer_path, inputs, planned["update_seed"], out)
+            else:
+                totals, steps, hyper = _train_here(ctx, epoch, model, tokenizer, optimizer_path, inputs, planned["update_seed"], out)
+            for path in sorted(p for p in (out / "policy").iterdir() if p.is_file()):
                 writer.write_file(path.name, path)
-            hyper = save_optimizer(optimizer, model, out / OPTIMIZER)
             writer.write_file(OPTIMIZER, out / OPTIMIZER)
+        metrics = _epoch_metrics(totals, steps, samples, inputs.data["response_mask"])
         writer.write_json("metrics.json", metrics)
         prior_steps = read_json(ctx.store, record, "trainer_state.json").get("step", 0) if "trainer_state.json" in record.files else 0
         writer.write_json("trainer_state.json", {"step": prior_steps + steps, "optimizer": hyper})
         return {"metrics": metrics, "policy_version": planned["policy_version"] + 1}
 
     return run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
+
+
+def _epoch_metrics(totals: dict[str, float], steps: int, samples: list[dict[str, Any]], mask: torch.Tensor) -> dict[str, Any]:
+    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+    metrics: dict[str, Any] = {key: value / steps for key, value in totals.items()}
+    metrics.update(
+        {
+            "reward_mean": scores.mean().item(),
+            "reward_std": scores.std(unbiased=True).item() if len(scores) > 1 else 0.0,
+            "response_length_mean": mask.sum(-1).mean().item(),
+            "samples": len(samples),
+            "optimizer_steps": steps,
+        }
+    )
+    return metrics

@@ -1,0 +1,135 @@
+"""The arithmetic of one update: minibatch order, the minibatch loss, the single-process loop.
+
+Shared by the one-process update (``phases/update.py``) and the data-parallel
+workers (``phases/update_parallel.py``), so both compute the same loss the same way.
+Shapes: ``B`` sequences, ``L`` padded sequence length, ``R`` response tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from verl_tasks.algos import aggregate_loss, entropy_from_logits, kl_penalty, policy_loss_vanilla
+from verl_tasks.config import AlgorithmConfig
+
+DATA_KEYS = ("input_ids", "attention_mask", "positions", "response_ids", "response_mask")
+
+
+@dataclass
+class UpdateInputs:
+    """Everything the optimisation reads, fixed before the first step.
+
+    ``data``: the collated batch (``DATA_KEYS``, ``[B, L]`` or ``[B, R]``);
+    ``old_logp``, ``advantages``, ``ref_logp``: ``[B, R]`` (``ref_logp`` None without KL).
+    """
+
+    data: dict[str, torch.Tensor]
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    ref_logp: torch.Tensor | None
+
+    def __len__(self) -> int:
+        return self.old_logp.size(0)
+
+    def save(self, path: Path) -> None:
+        """Write as safetensors (workers read it back with ``load``; nothing is pickled)."""
+        tensors = {**self.data, "old_logp": self.old_logp, "advantages": self.advantages}
+        if self.ref_logp is not None:
+            tensors["ref_logp"] = self.ref_logp
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+
+    @classmethod
+    def load(cls, path: Path) -> "UpdateInputs":
+        tensors = load_file(str(path))
+        return cls(
+            data={key: tensors[key] for key in DATA_KEYS},
+            old_logp=tensors["old_logp"],
+            advantages=tensors["advantages"],
+            ref_logp=tensors.get("ref_logp"),
+        )
+
+
+def response_logprobs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities ``[B, R]`` of the response tokens (logits divided by the sampling temperature)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    index = batch["positions"].unsqueeze(-1).expand(-1, -1, logits.size(-1))
+    picked = torch.gather(logits, 1, index).float() / temperature
+    logp = torch.log_softmax(picked, dim=-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(picked) if with_entropy else None
+    return logp, entropy
+
+
+def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def minibatch_rows(samples: int, algo: AlgorithmConfig, seed: int) -> Iterator[torch.Tensor]:
+    """Row indices of each minibatch, in step order: one seeded permutation per PPO epoch."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(algo.ppo_epochs):
+        order = torch.randperm(samples, generator=generator)
+        for start in range(0, samples, algo.minibatch_size):
+            yield order[start : start + algo.minibatch_size]
+
+
+def minibatch_loss(
+    model: torch.nn.Module, inputs: UpdateInputs, rows: torch.Tensor, algo: AlgorithmConfig, temperature: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss (minus entropy bonus, plus KL) of ``rows``, aggregated by ``algo.loss_agg_mode``.
+
+    Returns:
+        (scalar loss with its graph, metrics ``actor/*`` of these rows).
+    """
+    mb = select_rows(inputs.data, rows)
+    mode = algo.loss_agg_mode.value
+    logp, entropy = response_logprobs(model, mb, temperature, with_entropy=True)
+    pg_loss, pg_metrics = policy_loss_vanilla(
+        inputs.old_logp[rows], logp, inputs.advantages[rows], mb["response_mask"],
+        algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, mode,
+    )
+    entropy_loss = aggregate_loss(entropy, mb["response_mask"], mode)
+    loss = pg_loss - algo.entropy_coef * entropy_loss
+    metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item()}
+    if inputs.ref_logp is not None:
+        kl = aggregate_loss(kl_penalty(logp, inputs.ref_logp[rows], algo.kl_type.value), mb["response_mask"], mode)
+        loss = loss + algo.kl_coef * kl
+        metrics["actor/kl_loss"] = kl.item()
+    return loss, metrics
+
+
+def accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:
+    for key, value in metrics.items():
+        totals[key] = totals.get(key, 0.0) + value
+
+
+def train_single(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: UpdateInputs,
+    algo: AlgorithmConfig,
+    temperature: float,
+    seed: int,
+    on_step: Callable[[int], None],
+) -> tuple[dict[str, float], int]:
+    """The one-process optimisation. Returns (metric sums over steps, optimizer steps)."""
+    model.train()
+    totals: dict[str, float] = {}
+    steps = 0
+    for rows in minibatch_rows(len(inputs), algo, seed):
+        loss, metrics = minibatch_loss(model, inputs, rows, algo, temperature)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.grad_clip)
+        optimizer.step()
+        metrics["actor/loss"] = loss.item()
+        metrics["actor/grad_norm"] = float(grad_norm)
+        accumulate(totals, metrics)
+        steps += 1
+        on_step(steps)
+    return totals, steps
