@@ -26,6 +26,9 @@ def test_two_runs_give_identical_weights_and_rerun_computes_nothing(tiny_config,
     second = make_context(tiny_config(f"file://{tmp_path}/b"))
     assert train(second, 2)["latest_snapshot"]["weights_sha256"] == result["latest_snapshot"]["weights_sha256"]
     assert [e["phases"]["snapshot"] for e in result["epochs"]] == ["committed", "committed"]
+    base_sha = read_marker(first.store, first.layout.snapshot(0)).files["model.safetensors"].sha256
+    assert result["latest_snapshot"]["weights_sha256"] != base_sha, "the updates must move the weights"
+    assert 0 < result["epochs"][0]["metrics"]["reward_mean"] < 1, "mixed rewards, so GRPO has a signal"
     assert "eval_accuracy" in result["base"]["metrics"]
 
     before = len(read_events(first.store, first.layout))
