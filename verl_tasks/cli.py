@@ -120,6 +120,7 @@ def status(
     store: Optional[str] = typer.Option(None),
     experiment: Optional[str] = typer.Option(None),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    curve: bool = typer.Option(False, "--curve", help="also print the reward/accuracy curve (Markdown)"),
 ) -> None:
     """Per epoch: each phase's state and metrics, and the latest snapshot."""
     _setup_logging(False)
@@ -148,6 +149,10 @@ def status(
     if result["safe_mode"]:
         out.print(f"[bold red]SAFE MODE[/]: {result['safe_mode'].get('summary')}")
     out.print(f"latest snapshot: {result['latest_snapshot']}")
+    if curve:
+        from verl_tasks.report import curve_markdown
+
+        out.print(curve_markdown(result), markup=False, highlight=False)
 
 
 # --- operations after a fault: checkpoint, rollback, gc, resume -------------------------------------

@@ -56,7 +56,7 @@ epochs: 1
 model:
   source: tiny
   tiny:
-    warm_start_steps: 60
+    warm_start_steps: 300
 data:
   train: builtin:arith
   eval: builtin:arith
