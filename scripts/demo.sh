@@ -33,4 +33,4 @@ fi
 AF_PID=""
 grep -q "state=success" "$AIRFLOW_HOME/demo-dags-test.log" || { echo "run did not succeed; see $AIRFLOW_HOME/demo-dags-test.log" >&2; exit 1; }
 echo "DAG run tiny_arith succeeded in $(( $(date +%s) - started ))s (phases ran as Ray jobs; log: $AIRFLOW_HOME/demo-dags-test.log)"
-"$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --curve --experiment "$EXPERIMENT" --store "file://$VERL_TASKS_STORE_ROOT/.store"
+COLUMNS="${COLUMNS:-140}" "$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --curve --experiment "$EXPERIMENT" --store "file://$VERL_TASKS_STORE_ROOT/.store"
