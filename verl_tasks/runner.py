@@ -13,10 +13,9 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError
 from verl_tasks.layout import Layout
 from verl_tasks.phases import BATCHED, PHASE_FUNCTIONS, PhaseContext
-from verl_tasks.phases.snapshot import is_pruned
 from verl_tasks.store import ObjectStore, open_store
 from verl_tasks.store.base import NotFound
-from verl_tasks.store.units import CommitRecord, read_marker
+from verl_tasks.store.units import MARKER, PRUNED, CommitRecord, is_committed, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +50,9 @@ def epoch_units(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[
 
 
 def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
-    snap = ctx.layout.snapshot(epoch + 1)
-    if not ctx.store.exists(f"{snap}/_SUCCESS"):
+    if not is_committed(ctx.store, ctx.layout.snapshot(epoch + 1)):
         return False
-    return not ctx.config.should_evaluate(epoch, total_epochs) or ctx.store.exists(f"{ctx.layout.evaluate(epoch)}/_SUCCESS")
+    return not ctx.config.should_evaluate(epoch, total_epochs) or is_committed(ctx.store, ctx.layout.evaluate(epoch))
 
 
 def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None) -> dict[str, Any]:
@@ -99,7 +97,7 @@ def _quarantined(store: ObjectStore, keys: set[str]) -> list[dict[str, Any]]:
             reason = json.loads(store.get(key)).get("reason", "")
         except (NotFound, ValueError):
             reason = ""
-        out.append({"unit": unit, "reason": reason, "record": key, "recovered": f"{unit}/_SUCCESS" in keys})
+        out.append({"unit": unit, "reason": reason, "record": key, "recovered": f"{unit}/{MARKER}" in keys})
     return out
 
 
@@ -115,9 +113,9 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
                 units = [layout.unit(phase, epoch, b) for b in range(config.rollout.batches_per_epoch)]
             else:
                 units = [layout.unit(phase, epoch)]
-            done = sum(f"{u}/_SUCCESS" in keys for u in units)
+            done = sum(f"{u}/{MARKER}" in keys for u in units)
             state = "committed" if done == len(units) else ("absent" if done == 0 else f"{done}/{len(units)} committed")
-            if phase == "snapshot" and done and f"{units[0]}/_PRUNED" in keys:
+            if phase == "snapshot" and done and f"{units[0]}/{PRUNED}" in keys:
                 state = "pruned"
             phases[phase] = state
         metrics = {}
@@ -157,4 +155,4 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
     }
 
 
-__all__ = ["make_context", "run_phase", "train", "status", "store_for", "is_pruned"]
+__all__ = ["make_context", "run_phase", "train", "status", "store_for"]

@@ -16,7 +16,7 @@ from typing import Any
 from verl_tasks.errors import ConfigError
 from verl_tasks.layout import Layout
 from verl_tasks.store.base import NotFound, ObjectStore
-from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker
+from verl_tasks.store.units import CommitRecord, UnitWriter, is_pruned, read_marker
 
 log = logging.getLogger(__name__)
 NOT_COPIED = ("optimizer.safetensors", "trainer_state.json", "metrics.json")
@@ -37,7 +37,7 @@ def parent_snapshot(store: ObjectStore, experiment: str, version: int) -> Commit
     record = read_marker(store, unit)
     if record is None:
         raise ConfigError(f"experiment {experiment!r} has no committed snapshot {version} ({unit})")
-    if store.exists(f"{unit}/_PRUNED"):
+    if is_pruned(store, unit):
         raise ConfigError(f"snapshot {version} of {experiment!r} was pruned by retention; pick a newer one")
     return record
 

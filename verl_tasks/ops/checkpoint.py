@@ -18,7 +18,7 @@ from verl_tasks.errors import ConfigError, IntegrityError, StoreError
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import OPTIMIZER, WEIGHTS, load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
-from verl_tasks.store.units import MARKER, CommitRecord, download, read_json, read_marker, verify_unit
+from verl_tasks.store.units import MARKER, CommitRecord, download, is_pruned, read_json, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,6 @@ def forward_check(folder: Path) -> list[str]:
 
 def verify(ref: SnapshotRef) -> Verdict:
     """Hash every file against the manifest, then load the weights and run a forward pass."""
-    from verl_tasks.phases.snapshot import PRUNED
 
     try:
         record = read_marker(ref.store, ref.unit)
@@ -142,7 +141,7 @@ def verify(ref: SnapshotRef) -> Verdict:
         return Verdict(ref.version, ref.unit, False, "ABSENT", ["no _SUCCESS marker: not committed (or quarantined)"])
     sha = record.files[WEIGHTS].sha256 if WEIGHTS in record.files else None
     size = sum(e.size for e in record.files.values())
-    if ref.store.exists(f"{ref.unit}/{PRUNED}"):
+    if is_pruned(ref.store, ref.unit):
         return Verdict(ref.version, ref.unit, True, "PRUNED", ["weights deleted by retention (metadata kept)"], sha, size)
     problems = verify_unit(ref.store, record)
     if not problems:

@@ -18,19 +18,17 @@ from verl_tasks.errors import IntegrityError
 from verl_tasks.events import record_event
 from verl_tasks.models.checkpoint import WEIGHTS
 from verl_tasks.store.base import NotFound
-from verl_tasks.store.units import quarantine, read_marker, verify_unit
+from verl_tasks.store.units import PRUNED, is_pruned, quarantine, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
 
 
 def _weights_ok(ctx, unit: str) -> bool:
-    from verl_tasks.phases.snapshot import is_pruned
-
     try:
         record = read_marker(ctx.store, unit)
     except IntegrityError:
         return False
-    if record is None or is_pruned(ctx, unit):
+    if record is None or is_pruned(ctx.store, unit):
         return False
     return not verify_unit(ctx.store, record)
 
@@ -49,7 +47,7 @@ def fall_back(ctx, version: int, problems: list[str]) -> dict[str, Any]:
     Returns the ``fallback`` event's fields. Snapshot 0 (the base) is quarantined
     too; it is rebuilt by ``prepare`` on the next run.
     """
-    from verl_tasks.phases.snapshot import PRUNED, write_latest
+    from verl_tasks.phases.snapshot import write_latest
 
     layout, store = ctx.layout, ctx.store
     snap = layout.snapshot(version)
@@ -98,7 +96,7 @@ def check_resume_point(ctx) -> dict[str, Any] | None:
         newest = versions[-1]
         unit = ctx.layout.snapshot(newest)
         record = read_marker(ctx.store, unit)
-        if ctx.store.exists(f"{unit}/_PRUNED"):
+        if is_pruned(ctx.store, unit):
             return result
         problems = verify_unit(ctx.store, record) if record is not None and WEIGHTS in record.files else []
         if not problems:

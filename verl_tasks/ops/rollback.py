@@ -19,11 +19,10 @@ from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.events import record_event
 from verl_tasks.layout import MAX_EPOCH, Layout
 from verl_tasks.store.base import ObjectStore
-from verl_tasks.store.units import MARKER, read_marker
+from verl_tasks.store.units import MARKER, PRUNED, is_pruned, read_marker
 
 log = logging.getLogger(__name__)
 
-PRUNED = "_PRUNED"
 _EPOCH_UNIT = re.compile(r"^epochs/(\d{5})/")
 _SNAPSHOT_UNIT = re.compile(r"^snapshots/(\d{5})/")
 
@@ -57,7 +56,7 @@ def plan_rollback(store: ObjectStore, layout: Layout, to_epoch: int) -> Rollback
     if read_marker(store, keep) is None:
         raise StoreError(f"snapshot {to_epoch + 1} (the output of epoch {to_epoch}) is not committed; "
                          f"roll back to an earlier epoch")
-    if store.exists(f"{keep}/{PRUNED}"):
+    if is_pruned(store, keep):
         raise StoreError(f"snapshot {to_epoch + 1} was pruned by retention (storage.keep_snapshots); "
                          f"its weights are gone, so training cannot continue from it")
     plan = RollbackPlan(layout.experiment, to_epoch, latest_version=to_epoch + 1)

@@ -18,7 +18,7 @@ from verl_tasks.errors import ConfigMismatch, DataError
 from verl_tasks.models.checkpoint import save_policy
 from verl_tasks.phases.common import CACHE_DIR, PhaseContext, committed, run_unit, set_determinism
 from verl_tasks.store.base import NotFound
-from verl_tasks.store.units import CommitRecord, UnitWriter, read_jsonl
+from verl_tasks.store.units import CommitRecord, UnitWriter, is_committed, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def prepare(ctx: PhaseContext) -> CommitRecord:
     """Idempotent; the fast path (all pinned) costs three small reads."""
     pin_experiment(ctx)
     base = committed(ctx, ctx.layout.snapshot(0))
-    if base is not None and all(ctx.store.exists(f"{ctx.layout.data(s)}/_SUCCESS") for s in ("train", "eval")):
+    if base is not None and all(is_committed(ctx.store, ctx.layout.data(s)) for s in ("train", "eval")):
         return base
     prepare_data(ctx, "train")
     prepare_data(ctx, "eval")

@@ -13,10 +13,9 @@ from typing import Any
 from verl_tasks.models.checkpoint import WEIGHTS
 from verl_tasks.phases.common import PhaseContext, derive_seed, require, run_unit
 from verl_tasks.store.base import NotFound
-from verl_tasks.store.units import MARKER, CommitRecord, UnitWriter, read_json, read_marker
+from verl_tasks.store.units import PRUNED, CommitRecord, UnitWriter, is_committed, is_pruned, read_json, read_marker
 
 log = logging.getLogger(__name__)
-PRUNED = "_PRUNED"
 KEEP_WHEN_PRUNED = ("metrics.json", "trainer_state.json")
 
 
@@ -41,7 +40,7 @@ def write_latest(ctx: PhaseContext, version: int, record: CommitRecord) -> None:
 def prune(ctx: PhaseContext, unit: str, reason: str) -> bool:
     """Delete a committed unit's weight files, keep its marker and small JSON files."""
     record = read_marker(ctx.store, unit)
-    if record is None or ctx.store.exists(f"{unit}/{PRUNED}"):
+    if record is None or is_pruned(ctx.store, unit):
         return False
     ctx.store.put(f"{unit}/{PRUNED}", json.dumps({"reason": reason, "attempt": record.attempt}).encode())
     for name in record.files:
@@ -50,17 +49,13 @@ def prune(ctx: PhaseContext, unit: str, reason: str) -> bool:
     return True
 
 
-def is_pruned(ctx: PhaseContext, unit: str) -> bool:
-    return ctx.store.exists(f"{unit}/{PRUNED}")
-
-
 def apply_retention(ctx: PhaseContext, newest: int) -> list[int]:
     """Keep the base and the newest ``storage.keep_snapshots`` versions; prune older ones."""
     keep = ctx.config.storage.keep_snapshots
     pruned = []
     for version in range(1, newest - keep + 1):
         unit = ctx.layout.snapshot(version)
-        if ctx.store.exists(f"{unit}/{MARKER}") and prune(ctx, unit, f"retention: keep {keep} snapshots"):
+        if is_committed(ctx.store, unit) and prune(ctx, unit, f"retention: keep {keep} snapshots"):
             prune(ctx, ctx.layout.update(version - 1), "retention: weights published and pruned")
             pruned.append(version)
     return pruned

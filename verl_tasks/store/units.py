@@ -29,6 +29,8 @@ from verl_tasks.store.base import NotFound, ObjectStore
 log = logging.getLogger(__name__)
 
 MARKER = "_SUCCESS"
+# Retention deletes a committed unit's weight files but keeps its marker; this flag says so.
+PRUNED = "_PRUNED"
 ATTEMPTS = ".attempts"
 QUARANTINE = ".quarantine"
 FORMAT_VERSION = 1
@@ -99,6 +101,11 @@ def read_marker(store: ObjectStore, unit: str) -> CommitRecord | None:
 
 def is_committed(store: ObjectStore, unit: str) -> bool:
     return store.exists(f"{unit}/{MARKER}")
+
+
+def is_pruned(store: ObjectStore, unit: str) -> bool:
+    """True when retention removed the unit's weights (the marker and JSON files remain)."""
+    return store.exists(f"{unit}/{PRUNED}")
 
 
 class UnitWriter:
