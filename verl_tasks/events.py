@@ -19,9 +19,6 @@ from verl_tasks.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
-KINDS = ("started", "skipped", "committed", "lost_race", "failed", "quarantined", "safe_mode", "resumed", "rollback", "fallback", "gc")
-
-
 def record_event(store: ObjectStore, layout: Layout, kind: str, **fields: Any) -> None:
     """Append one event. Fields should be small: ids, durations, sizes, an error string."""
     now = time.time()

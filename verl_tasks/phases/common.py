@@ -152,21 +152,25 @@ def _policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]
             return folder, record
         raise IntegrityError(record.unit, ["snapshot files missing or truncated"])
     folder = CACHE_DIR / "policies" / weights_sha
-    # The cache is keyed by the weights' hash; another snapshot with the same weights may carry
-    # other files (e.g. no optimizer state), so every file this record names must be there.
-    if not (folder / ".complete").exists() or not all((folder / name).is_file() for name in record.files):
+
+    def cached() -> bool:
+        # Keyed by the weights' hash; another snapshot with the same weights may carry other
+        # files (e.g. no optimizer state), so every file this record names must be there.
+        return (folder / ".complete").exists() and all((folder / name).is_file() for name in record.files)
+
+    if not cached():
         tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR.mkdir(parents=True, exist_ok=True) or CACHE_DIR))
         for name in record.files:
             download(ctx.store, record, name, tmp / name)
         (tmp / ".complete").touch()
         folder.parent.mkdir(parents=True, exist_ok=True)
-        if folder.exists() and not all((folder / name).is_file() for name in record.files):
-            shutil.rmtree(folder, ignore_errors=True)  # a stale entry with other files
+        if not cached():  # an incomplete or stale entry; a concurrent winner's is left alone
+            shutil.rmtree(folder, ignore_errors=True)
         try:
             tmp.rename(folder)
         except OSError:  # another process cached the same content first
             shutil.rmtree(tmp, ignore_errors=True)
-            if not (folder / ".complete").exists() or not all((folder / name).is_file() for name in record.files):
+            if not cached():
                 raise
     return folder, record
 
