@@ -137,7 +137,9 @@ def status(
         return
     table = Table(title=f"{result['experiment']} @ {result['store']}")
     table.add_column("epoch")
-    for phase in ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate"):
+    from verl_tasks.phase_registry import PHASE_NAMES
+
+    for phase in PHASE_NAMES:
         table.add_column(phase)
     table.add_column("reward")
     table.add_column("eval acc")

@@ -18,9 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from verl_tasks.errors import ConfigError
+from verl_tasks.phase_registry import PHASE_NAMES as PHASES
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-PHASES = ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate")
 # Sections whose values change what is computed; the rest (epochs, storage,
 # fault tolerance, resources, schedule) may change between runs of one experiment.
 HASHED_SECTIONS = ("seed", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")

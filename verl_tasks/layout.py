@@ -103,16 +103,10 @@ class Layout:
         return f"{self.root}/control/safe_mode.json"
 
     def unit(self, phase: str, epoch: int, batch: int | None = None) -> str:
-        """The unit key of a phase (batch only for rollout and score)."""
-        if phase in ("rollout", "score"):
-            if batch is None:
-                raise ConfigError(f"phase {phase} needs a batch index")
-            return getattr(self, phase)(epoch, batch)
-        if phase == "snapshot":
-            return self.snapshot(epoch + 1)
-        if phase in ("plan", "validate", "update", "evaluate"):
-            return getattr(self, phase)(epoch)
-        raise ConfigError(f"unknown phase {phase!r}")
+        """The unit key of a phase (batch only for the batched phases: rollout and score)."""
+        from verl_tasks.phase_registry import phase as phase_spec
+
+        return phase_spec(phase).unit(self, epoch, batch)
 
     def snapshot_version(self, key: str) -> int | None:
         """Version of a ``snapshots/NNNNN/...`` key, or None."""

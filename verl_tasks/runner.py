@@ -12,7 +12,8 @@ from typing import Any, Callable
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError
 from verl_tasks.layout import Layout
-from verl_tasks.phases import BATCHED, PHASE_FUNCTIONS, PhaseContext
+from verl_tasks.phase_registry import PHASES, phase as phase_spec
+from verl_tasks.phases import PhaseContext
 from verl_tasks.store import ObjectStore, open_store
 from verl_tasks.store.base import NotFound
 from verl_tasks.store.units import MARKER, PRUNED, CommitRecord, is_committed, read_marker
@@ -33,19 +34,17 @@ def make_context(config: ExperimentConfig, credentials: dict[str, str] | None = 
 
 
 def run_phase(ctx: PhaseContext, phase: str, epoch: int, batch: int | None = None) -> CommitRecord:
-    fn = PHASE_FUNCTIONS[phase]
-    return fn(ctx, epoch, batch) if phase in BATCHED else fn(ctx, epoch)
+    return phase_spec(phase).run(ctx, epoch, batch)
 
 
 def epoch_units(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[str, int | None]]:
     """The (phase, batch) units of one epoch in execution order."""
     batches = range(ctx.config.rollout.batches_per_epoch)
-    units: list[tuple[str, int | None]] = [("plan", None)]
-    units += [("rollout", b) for b in batches]
-    units += [("score", b) for b in batches]
-    units += [("validate", None), ("update", None), ("snapshot", None)]
-    if ctx.config.should_evaluate(epoch, total_epochs):
-        units.append(("evaluate", None))
+    units: list[tuple[str, int | None]] = []
+    for name, spec in PHASES.items():
+        if name == "evaluate" and not ctx.config.should_evaluate(epoch, total_epochs):
+            continue
+        units += [(name, b) for b in batches] if spec.batched else [(name, None)]
     return units
 
 
@@ -108,11 +107,11 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
     epochs = []
     for epoch in range(config.epochs):
         phases: dict[str, Any] = {}
-        for phase in PHASE_FUNCTIONS:
-            if phase in BATCHED:
-                units = [layout.unit(phase, epoch, b) for b in range(config.rollout.batches_per_epoch)]
+        for phase, spec in PHASES.items():
+            if spec.batched:
+                units = [spec.unit(layout, epoch, b) for b in range(config.rollout.batches_per_epoch)]
             else:
-                units = [layout.unit(phase, epoch)]
+                units = [spec.unit(layout, epoch)]
             done = sum(f"{u}/{MARKER}" in keys for u in units)
             state = "committed" if done == len(units) else ("absent" if done == 0 else f"{done}/{len(units)} committed")
             if phase == "snapshot" and done and f"{units[0]}/{PRUNED}" in keys:

@@ -20,21 +20,11 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup
 from verl_tasks.airflow import callbacks, runconfig
 from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
 from verl_tasks.config import NAME_PATTERN, parse_config
+from verl_tasks.phase_registry import PHASES
 
 GPU_POOL = "verl_gpu"
 GPU_PHASES = ("rollout", "update")
 
-PHASE_DOCS = {
-    "plan": "Writes `epochs/NNNNN/plan/plan.json`: which prompts go to which rollout batch, with which seeds. "
-            "On the first epoch it also pins the data and the base snapshot.",
-    "rollout": "One task instance per batch. Writes `epochs/NNNNN/rollout/bBBBB/samples.jsonl`: a group of samples "
-               "per prompt from the current policy, seeded by (seed, epoch, batch).",
-    "score": "One task instance per batch. Writes `epochs/NNNNN/score/bBBBB/scores.jsonl` (reward function in a sandbox).",
-    "validate": "Great Expectations gate on the epoch's scored samples; writes `validate/report.json` or fails.",
-    "update": "GRPO/PPO-clipped update of the policy on the epoch's samples; writes new weights, optimizer state and metrics.",
-    "snapshot": "Publishes policy version epoch+1 under `snapshots/NNNNN/`, moves `latest.json`, applies retention.",
-    "evaluate": "Greedy evaluation of the new policy on the held-out prompts; writes `evaluate/metrics.json`.",
-}
 RETRY_DOC = (
     "\n\n**Retry / Clear**: the task first looks for its unit's `_SUCCESS` marker and returns at once if it "
     "exists; otherwise it runs the phase again (attaching to a still-running Ray job of the same unit). A "
@@ -131,11 +121,11 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
         for epoch in range(cfg.epochs):
             with TaskGroup(group_id=f"epoch_{epoch:03d}", tooltip=f"epoch {epoch} -> policy version {epoch + 1}"):
                 tasks = {}
-                for phase in ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate"):
+                for phase, spec in PHASES.items():
                     if phase == "evaluate" and not cfg.should_evaluate(epoch, cfg.epochs):
                         continue
                     kwargs: dict[str, Any] = dict(common, task_id=phase, phase=phase, epoch=epoch,
-                                                  doc_md=PHASE_DOCS[phase] + RETRY_DOC)
+                                                  doc_md=spec.doc + RETRY_DOC)
                     timeout = ft.timeout_s.get(phase)
                     if timeout:
                         kwargs["execution_timeout"] = timedelta(seconds=timeout)
@@ -147,7 +137,7 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                     if phase == "snapshot" and epoch == cfg.epochs - 1:
                         kwargs["outlets"] = [asset]
                         kwargs["snapshot_asset"] = asset
-                    if phase in ("rollout", "score"):
+                    if spec.batched:
                         tasks[phase] = VerlPhaseOperator.partial(
                             map_index_template="batch {{ task.batch }}", **kwargs
                         ).expand(batch=list(range(cfg.rollout.batches_per_epoch)))

@@ -66,7 +66,8 @@ def render_experiment(cfg, store) -> str:
 
     st = status(cfg, store)
     e = html.escape
-    phases = ("plan", "rollout", "score", "validate", "update", "snapshot", "evaluate")
+    from verl_tasks.phase_registry import PHASE_NAMES as phases
+
     head = "".join(f"<th>{p}</th>" for p in phases)
     body = []
     for row in st["epochs"]:

@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from verl_tasks.config import PHASES, parse_config
+from verl_tasks.config import parse_config
+from verl_tasks.phase_registry import PHASE_NAMES
 from verl_tasks.execution import UnitSpec
 
 log = logging.getLogger("verl_tasks.execution.entry")
@@ -64,7 +65,7 @@ def _credentials_from_env() -> dict[str, str] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl_tasks.execution.entry")
     parser.add_argument("--config-b64", required=True)
-    parser.add_argument("--phase", required=True, choices=PHASES)
+    parser.add_argument("--phase", required=True, choices=PHASE_NAMES)
     parser.add_argument("--epoch", required=True, type=int)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--resident", action="store_true",

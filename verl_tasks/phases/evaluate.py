@@ -59,8 +59,7 @@ def evaluate_base(ctx: PhaseContext) -> CommitRecord:
     return evaluate_version(ctx, 0, ctx.layout.base_evaluate, 0)
 
 
-def evaluate(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
+def evaluate(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """Evaluate the policy produced by ``epoch`` (version ``epoch + 1``); the base too, once."""
-    del batch
     evaluate_base(ctx)
     return evaluate_version(ctx, epoch + 1, ctx.layout.evaluate(epoch), epoch)

@@ -9,13 +9,12 @@ from verl_tasks.phases.prepare import prepare, train_rows
 from verl_tasks.store.units import CommitRecord, UnitWriter
 
 
-def plan(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
+def plan(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """Deterministic: a seeded permutation of the pinned train prompts, cut into batches.
 
     Epochs walk through the permutation of their "pass" over the data, so every
     prompt is used once per pass before any repeats.
     """
-    del batch
     prepare(ctx)
     cfg = ctx.config
 

@@ -61,8 +61,7 @@ def apply_retention(ctx: PhaseContext, newest: int) -> list[int]:
     return pruned
 
 
-def snapshot(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
-    del batch
+def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
     cfg = ctx.config
     version = epoch + 1
 

@@ -116,7 +116,7 @@ def _train_workers(
     return result.totals, result.steps, result.optimizer
 
 
-def update(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
+def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """Train policy version ``epoch`` on the epoch's samples; commit version ``epoch + 1``.
 
     Runs in this process, or on ``resources.update.workers`` data-parallel workers.
@@ -124,7 +124,6 @@ def update(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRec
     Raises:
         PhaseFailed: an input unit is missing, or a worker failed or timed out.
     """
-    del batch
     cfg = ctx.config
     algo = cfg.algorithm
 

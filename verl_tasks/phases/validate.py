@@ -30,8 +30,7 @@ def scored_rows(ctx: PhaseContext, epoch: int, batch: int) -> list[dict[str, Any
     ]
 
 
-def validate(ctx: PhaseContext, epoch: int, batch: int | None = None) -> CommitRecord:
-    del batch
+def validate(ctx: PhaseContext, epoch: int) -> CommitRecord:
     cfg = ctx.config
     unit = ctx.layout.validate(epoch)
 

@@ -1,0 +1,99 @@
+"""The one list of phases: name, whether it is mapped over batches, its unit key, its inputs.
+
+The runner, the DAG factory, the dashboard, the CLI, the layout and the config
+all read this table instead of keeping their own phase lists. It imports
+neither torch nor Airflow: the phase function is named by import path and
+loaded only when a unit actually runs.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from verl_tasks.layout import Layout
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """One phase of an epoch.
+
+    Attributes:
+        name: the phase's name everywhere (task id, unit folder, events).
+        batched: one unit per rollout batch (a mapped task) instead of one per epoch.
+        function: ``module:function`` of the phase, ``fn(ctx, epoch[, batch]) -> CommitRecord``.
+        inputs: phases whose committed units this phase reads (documentation and DAG shape).
+        doc: one sentence for the DAG's task docs.
+    """
+
+    name: str
+    batched: bool
+    function: str
+    inputs: tuple[str, ...]
+    doc: str
+
+    def unit(self, layout: "Layout", epoch: int, batch: int | None = None) -> str:
+        """The storage key of this phase's unit for ``epoch`` (and ``batch`` when batched)."""
+        if self.batched:
+            if batch is None:
+                from verl_tasks.errors import ConfigError
+
+                raise ConfigError(f"phase {self.name} needs a batch index")
+            return getattr(layout, self.name)(epoch, batch)
+        if self.name == "snapshot":
+            return layout.snapshot(epoch + 1)
+        return getattr(layout, self.name)(epoch)
+
+    def load(self) -> Callable[..., Any]:
+        module, _, attr = self.function.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def run(self, ctx: Any, epoch: int, batch: int | None = None) -> Any:
+        """Run (or skip, when committed) the unit: the batch goes only to batched phases."""
+        fn = self.load()
+        return fn(ctx, epoch, batch) if self.batched else fn(ctx, epoch)
+
+
+def _spec(name: str, batched: bool, inputs: tuple[str, ...], doc: str) -> PhaseSpec:
+    return PhaseSpec(name, batched, f"verl_tasks.phases.{name}:{name}", inputs, doc)
+
+
+PHASES: dict[str, PhaseSpec] = {
+    spec.name: spec
+    for spec in (
+        _spec("plan", False, (),
+              "Writes `epochs/NNNNN/plan/plan.json`: which prompts go to which rollout batch, with which seeds. "
+              "On the first epoch it also pins the data and the base snapshot."),
+        _spec("rollout", True, ("plan",),
+              "One task instance per batch. Writes `epochs/NNNNN/rollout/bBBBB/samples.jsonl`: a group of samples "
+              "per prompt from the current policy, seeded by (seed, epoch, batch)."),
+        _spec("score", True, ("rollout",),
+              "One task instance per batch. Writes `epochs/NNNNN/score/bBBBB/scores.jsonl` (reward function in a "
+              "sandbox)."),
+        _spec("validate", False, ("score",),
+              "Great Expectations gate on the epoch's scored samples; writes `validate/report.json` or fails."),
+        _spec("update", False, ("validate",),
+              "GRPO/PPO-clipped update of the policy on the epoch's samples; writes new weights, optimizer state "
+              "and metrics."),
+        _spec("snapshot", False, ("update",),
+              "Publishes policy version epoch+1 under `snapshots/NNNNN/`, moves `latest.json`, applies retention."),
+        _spec("evaluate", False, ("snapshot",),
+              "Greedy evaluation of the new policy on the held-out prompts; writes `evaluate/metrics.json`."),
+    )
+}
+PHASE_NAMES: tuple[str, ...] = tuple(PHASES)
+BATCHED: tuple[str, ...] = tuple(name for name, spec in PHASES.items() if spec.batched)
+
+
+def phase(name: str) -> PhaseSpec:
+    """The spec of ``name``. Raises ConfigError listing the valid names."""
+    try:
+        return PHASES[name]
+    except KeyError:
+        from verl_tasks.errors import ConfigError
+
+        raise ConfigError(f"unknown phase {name!r}; use one of {', '.join(PHASE_NAMES)}") from None
+
+
+__all__ = ["PhaseSpec", "PHASES", "PHASE_NAMES", "BATCHED", "phase"]
