@@ -82,3 +82,11 @@ def shared_characters(data_source, solution_str, ground_truth, extra_info):
     """A graded score: the share of the answer's distinct characters found in the response."""
     wanted = set(ground_truth)
     return len(wanted & set(solution_str)) / max(1, len(wanted))
+
+
+def two_args(solution_str, ground_truth):
+    """Not verl's compute_score signature: refused when the config loads."""
+    return float(solution_str == ground_truth)
+
+
+NOT_CALLABLE = 0.5

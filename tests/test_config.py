@@ -56,14 +56,58 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
         load_config(path)
 
 
+def _commit_rollout(store, experiment: str) -> None:
+    """A committed rollout unit: past this point the experiment's config is final."""
+    from verl_tasks.layout import Layout
+    from verl_tasks.store.units import UnitWriter
+
+    writer = UnitWriter(store, Layout(experiment).rollout(0, 0))
+    writer.write_jsonl("samples.jsonl", [{"id": "x"}])
+    writer.commit({})
+
+
 def test_changed_hyperparameter_under_same_name_is_refused(tmp_path):
     store = open_store(f"file://{tmp_path}")
     first = parse_config(raw())
     pin_experiment(PhaseContext(first, store))
+    _commit_rollout(store, first.experiment)
     changed = parse_config(raw(), {"algorithm.lr": 0.5, "rollout.temperature": 0.7, "epochs": 20})
     with pytest.raises(ConfigMismatch) as err:
         pin_experiment(PhaseContext(changed, store))
     assert err.value.differing_keys == ["algorithm.lr", "rollout.temperature"]  # epochs may change
     assert "new experiment name" in str(err.value)
+    assert f"deleting everything under {store.url(first.experiment)}" in str(err.value)
     renamed = parse_config(raw(), {"algorithm.lr": 0.5, "experiment": "tiny-arith-lr05"})
     pin_experiment(PhaseContext(renamed, store))
+
+
+def test_torch_threads_is_pinned():
+    """It changes CPU float summation order, hence the bytes of every unit (ADR 0002)."""
+    from verl_tasks.config import differing_keys
+
+    a, b = parse_config(raw()), parse_config(raw(), {"torch_threads": 1})
+    assert a.config_hash() != b.config_hash()
+    assert differing_keys(a.hashed_view(), b.hashed_view()) == ["torch_threads"]
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("verl_tasks.rewards.builtn:exact_answer", "module 'verl_tasks.rewards.builtn' cannot be imported"),
+        ("verl_tasks.rewards.builtin:exact_answr", "has no attribute 'exact_answr'"),
+        ("tests.reward_fixtures:two_args", "cannot be called as fn(data_source, solution_str, ground_truth, extra_info)"),
+        ("tests.reward_fixtures:NOT_CALLABLE", "not a function"),
+    ],
+)
+def test_reward_function_is_checked_when_the_config_loads(function, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw(), {"rewards.function": function})
+    assert message in str(err.value)
+
+
+def test_yaml_date_as_experiment_name_says_to_quote_it(tmp_path):
+    path = tmp_path / "dated.yaml"
+    path.write_text(TINY_YAML.read_text().replace("experiment: tiny-arith", "experiment: 2026-11-30"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert 'YAML read 2026-11-30 as a date, not text; quote it: experiment: "2026-11-30"' in str(err.value)

@@ -7,9 +7,13 @@ different value for any of those keys is refused with the list of keys.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
+import importlib
+import inspect
 import json
 import re
+from datetime import date
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +27,8 @@ from verl_tasks.phase_registry import PHASE_NAMES as PHASES
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Sections whose values change what is computed; the rest (epochs, storage,
 # fault tolerance, resources, schedule) may change between runs of one experiment.
-HASHED_SECTIONS = ("seed", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
+# torch_threads changes float summation order on CPU, hence the bytes of every unit (ADR 0002).
+HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
 def check_name(name: str, what: str = "experiment name") -> str:
@@ -34,6 +39,39 @@ def check_name(name: str, what: str = "experiment name") -> str:
             f"and '-', starting with a letter or digit, and no '..'"
         )
     return name
+
+
+REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def check_reward_function(path: str) -> None:
+    """Import ``module:function`` and check it can be called as verl's ``compute_score``; raise ValueError.
+
+    Done when the config is loaded, so a typo fails before any rollout is computed
+    (the sandbox imports it again in its own process to score).
+    """
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"rewards.function {path!r} must be an import path 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except ImportError as err:
+        raise ValueError(f"rewards.function {path!r}: module {module_name!r} cannot be imported ({err}); "
+                         f"check the name and that it is installed where the workers run") from None
+    except AttributeError:
+        raise ValueError(f"rewards.function {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module failed while importing: say so, in one line
+        raise ValueError(f"rewards.function {path!r}: importing {module_name!r} raised "
+                         f"{type(err).__name__}: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"rewards.function {path!r} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind(*REWARD_ARGS)
+    except TypeError as err:
+        raise ValueError(f"rewards.function {path!r} cannot be called as fn({', '.join(REWARD_ARGS)}) ({err}); "
+                         f"give it verl's compute_score signature") from None
+    except ValueError:  # no signature available (a builtin): it is called and checked per sample
+        pass
 
 
 class Strict(BaseModel):
@@ -153,10 +191,7 @@ class RewardsConfig(Strict):
     @field_validator("function")
     @classmethod
     def _import_path(cls, value: str) -> str:
-        if ":" not in value:
-            raise ValueError(
-                f"rewards.function {value!r} must be an import path 'package.module:function'"
-            )
+        check_reward_function(value)
         return value
 
 
@@ -292,6 +327,13 @@ class ExperimentConfig(Strict):
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
+# The only keys the Airflow trigger form may override: hyperparameters ("section.*" = every key of
+# the section). Model, data, rewards, storage, resources, schedule and fault tolerance stay with
+# whoever deploys the DAG, so a user allowed only to trigger it cannot run code or redirect data.
+TRIGGER_OVERRIDABLE = ("epochs", "algorithm.*", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
+                       "rollout.prompts_per_batch", "evaluate.*")
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
     if isinstance(tree, dict):
@@ -314,6 +356,11 @@ def _describe(err: ValidationError) -> str:
         where = ".".join(str(p) for p in item["loc"]) or "<top level>"
         if item["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key; remove it or check its spelling")
+        elif item["type"] == "string_type" and isinstance(item.get("input"), (date, int, float, bool)):
+            lines.append(f"{where}: YAML read {item['input']!s} as a {type(item['input']).__name__}, not text; "
+                         f"quote it: {where.rsplit('.', 1)[-1]}: \"{item['input']!s}\"")
+        elif item["type"] == "value_error":
+            lines.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"{where}: {item['msg']} (got {item.get('input')!r})")
     return "invalid experiment config:\n  " + "\n  ".join(lines)
@@ -321,7 +368,7 @@ def _describe(err: ValidationError) -> str:
 
 def parse_config(raw: dict[str, Any], overrides: dict[str, Any] | None = None) -> ExperimentConfig:
     """Validate a mapping (plus dotted-key overrides) into an ExperimentConfig."""
-    data = json.loads(json.dumps(raw))
+    data = copy.deepcopy(raw)
     for dotted, value in (overrides or {}).items():
         node = data
         parts = dotted.split(".")

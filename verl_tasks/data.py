@@ -76,15 +76,23 @@ def _row_from_record(record: Any, where: str) -> dict[str, Any]:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg}); fix or remove the line") from None
-            rows.append(_row_from_record(record, f"{path}:{number}"))
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        number = raw[: err.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}:{number}: not UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start}); "
+            f"re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+        ) from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not valid JSON ({err.msg}); fix or remove the line") from None
+        rows.append(_row_from_record(record, f"{path}:{number}"))
     return rows
 
 

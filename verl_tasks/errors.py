@@ -13,14 +13,16 @@ class ConfigError(VerlTasksError):
 class ConfigMismatch(ConfigError):
     """A run asked for an experiment name that already exists with a different config."""
 
-    def __init__(self, experiment: str, differing_keys: list[str]):
+    def __init__(self, experiment: str, differing_keys: list[str], prefix_url: str | None = None):
         self.experiment = experiment
         self.differing_keys = differing_keys
         keys = ", ".join(differing_keys)
+        start_over = (f", or start over under this name by deleting everything under {prefix_url}"
+                      if prefix_url else "")
         super().__init__(
-            f"experiment {experiment!r} already exists with a different configuration; "
+            f"experiment {experiment!r} already computed units with a different configuration; "
             f"differing keys: {keys}. Use a new experiment name (--experiment NAME) to train "
-            f"with these settings, or restore the original values to resume."
+            f"with these settings, restore the original values to resume{start_over}."
         )
 
 
@@ -39,6 +41,20 @@ class IntegrityError(StoreError):
         self.unit = unit
         self.problems = problems
         super().__init__(f"unit {unit} failed verification: " + "; ".join(problems))
+
+
+class SnapshotPruned(StoreError):
+    """A snapshot's weights were deleted by retention: it is unavailable, not corrupt (nothing is quarantined)."""
+
+    def __init__(self, experiment: str, version: int, keep: int | None, newest_kept: int | None):
+        self.experiment = experiment
+        self.version = version
+        kept = f"keep_snapshots={keep}" if keep else "storage.keep_snapshots"
+        rerun = f"rerun from snapshot {newest_kept} (the newest kept)" if newest_kept is not None else "rerun from the base"
+        super().__init__(
+            f"snapshot {version} of {experiment} was pruned by retention ({kept}); {rerun} "
+            f"or raise storage.keep_snapshots"
+        )
 
 
 class UnsafeKey(StoreError):

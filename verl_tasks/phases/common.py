@@ -22,6 +22,7 @@ from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import WEIGHTS, load_policy
+from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
 from verl_tasks.store.units import CommitRecord, UnitWriter, download, quarantine, read_marker
 
@@ -100,6 +101,7 @@ def run_unit(
         record_event(ctx.store, ctx.layout, "skipped", attempt=existing.attempt, **ids)
         return existing
     check_not_halted(ctx)
+    check_pinned(ctx.config, ctx.store)
     set_determinism(ctx.config)
     writer = UnitWriter(ctx.store, unit)
     started = time.monotonic()

@@ -8,41 +8,17 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from verl_tasks import data as data_mod
-from verl_tasks.config import differing_keys
-from verl_tasks.errors import ConfigMismatch, DataError
+from verl_tasks.errors import DataError, PhaseFailed
 from verl_tasks.models.checkpoint import save_policy
 from verl_tasks.phases.common import CACHE_DIR, PhaseContext, committed, run_unit, set_determinism
-from verl_tasks.store.base import NotFound
+from verl_tasks.pinning import pin_experiment
 from verl_tasks.store.units import CommitRecord, UnitWriter, is_committed, read_jsonl
 
 log = logging.getLogger(__name__)
-
-
-def pin_experiment(ctx: PhaseContext, parent: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write ``experiment.json`` once; afterwards refuse a config whose hashed keys differ."""
-    cfg = ctx.config
-    body = {
-        "experiment": cfg.experiment,
-        "config_hash": cfg.config_hash(),
-        "hashed_config": cfg.hashed_view(),
-        "config": cfg.model_dump(mode="json"),
-        "created_at": time.time(),
-        "parent": parent,
-    }
-    try:
-        existing = json.loads(ctx.store.get(ctx.layout.experiment_json))
-    except NotFound:
-        if ctx.store.put_if_absent(ctx.layout.experiment_json, json.dumps(body, indent=1, sort_keys=True).encode()):
-            return body
-        existing = json.loads(ctx.store.get(ctx.layout.experiment_json))
-    if existing["config_hash"] != body["config_hash"]:
-        raise ConfigMismatch(cfg.experiment, differing_keys(existing["hashed_config"], body["hashed_config"]))
-    return existing
 
 
 def _tokenizer_for(ctx: PhaseContext):
@@ -157,12 +133,23 @@ def _point_latest(ctx: PhaseContext, version: int, record: CommitRecord) -> None
         write_latest(ctx, version, record)
 
 
+def _pinned_rows(ctx: PhaseContext, split: str) -> list[dict[str, Any]]:
+    unit = ctx.layout.data(split)
+    record = committed(ctx, unit)
+    if record is None:
+        raise PhaseFailed(
+            unit, f"the pinned {split} prompts are not committed (never pinned, or quarantined: see "
+                  f"`verl-tasks status`); run the epoch-0 plan task (or `verl-tasks run`) to pin data.{split} again",
+        )
+    return read_jsonl(ctx.store, record, "prompts.jsonl")
+
+
 def train_rows(ctx: PhaseContext) -> list[dict[str, Any]]:
-    return read_jsonl(ctx.store, committed(ctx, ctx.layout.data("train")), "prompts.jsonl")
+    return _pinned_rows(ctx, "train")
 
 
 def eval_rows(ctx: PhaseContext) -> list[dict[str, Any]]:
-    return read_jsonl(ctx.store, committed(ctx, ctx.layout.data("eval")), "prompts.jsonl")
+    return _pinned_rows(ctx, "eval")
 
 
 __all__ = ["prepare", "pin_experiment", "train_rows", "eval_rows"]
