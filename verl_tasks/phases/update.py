@@ -151,7 +151,9 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         writer.write_json("metrics.json", metrics)
         prior_steps = read_json(ctx.store, record, "trainer_state.json").get("step", 0) if "trainer_state.json" in record.files else 0
         writer.write_json("trainer_state.json", {"step": prior_steps + steps, "optimizer": hyper})
-        return {"metrics": metrics, "policy_version": planned["policy_version"] + 1}
+        # Not pinned (a run may resume on another worker count); results agree within float
+        # tolerance across counts and are byte-identical for one count, so the count is recorded.
+        return {"metrics": metrics, "policy_version": planned["policy_version"] + 1, "update_workers": workers}
 
     return run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
 
