@@ -19,7 +19,7 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup
 
 from verl_tasks.airflow import callbacks, runconfig
 from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
-from verl_tasks.config import NAME_PATTERN, parse_config
+from verl_tasks.config import NAME_PATTERN, TRIGGER_OVERRIDABLE, parse_config
 from verl_tasks.phase_registry import PHASES
 
 GPU_POOL = "verl_gpu"
@@ -54,8 +54,10 @@ def _params(raw: dict[str, Any], cfg) -> dict[str, Param]:
                         description=f"Defaults to {cfg.experiment!r}."),
         "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=cfg.epochs, title="Epochs",
                         description="At most the epochs in the YAML (the DAG's shape); later epoch groups skip."),
-        "overrides": Param({}, type="object", title="Other overrides",
-                           description='Dotted config keys, e.g. {"algorithm.clip_ratio_low": 0.2}'),
+        "overrides": Param({}, type="object", title="Other hyperparameters",
+                           description='Dotted config keys, e.g. {"algorithm.clip_ratio_low": 0.2}; only '
+                                       + ", ".join(TRIGGER_OVERRIDABLE) + ". Everything else (model, data, "
+                                       "rewards, storage, resources) is set in the YAML by whoever deploys the DAG."),
     }
     for name, (dotted, kind) in runconfig.HYPERPARAMETERS.items():
         spec: dict[str, Any] = {"type": kind, "title": name, "description": f"config key {dotted}"}
@@ -81,6 +83,8 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
     raw = runconfig.read_yaml(yaml_path)
     cfg = parse_config(raw)
     dag_id = dag_id or yaml_path.stem
+    if cfg.schedule.cron or cfg.schedule.asset:
+        runconfig.scheduled_name(cfg.experiment, runconfig.run_stamp(None))  # too long a name fails the import
     ft = cfg.fault_tolerance
     default_args: dict[str, Any] = {
         "retries": ft.retries,

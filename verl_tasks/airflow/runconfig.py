@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from verl_tasks.config import ExperimentConfig, parse_config
+from verl_tasks.config import TRIGGER_OVERRIDABLE, ExperimentConfig, check_name, flatten, parse_config
 from verl_tasks.errors import ConfigError
 
 # Trigger-form fields that are hyperparameters -> dotted config keys.
@@ -26,6 +26,7 @@ HYPERPARAMETERS = {
     "prompts_per_batch": ("rollout.prompts_per_batch", "integer"),
 }
 RESUME_MODES = ("latest", "fresh", "snapshot")
+NAME_LIMIT = 128  # characters in an experiment name (config.NAME_PATTERN)
 SCHEDULED_RUN_TYPES = ("scheduled", "asset_triggered", "backfill")
 
 
@@ -54,15 +55,39 @@ def run_stamp(dag_run: Any) -> str:
     return when.strftime("%Y%m%dT%H%M%S")
 
 
+def scheduled_name(base: str, stamp: str) -> str:
+    """``<base>-<stamp>``, the experiment of one scheduled run; ConfigError when that name is too long."""
+    name = f"{base}-{stamp}"
+    if len(name) > NAME_LIMIT:
+        raise ConfigError(
+            f"scheduled runs name each experiment '<experiment>-<timestamp>' ({len(name)} characters for "
+            f"experiment {base!r}), over the {NAME_LIMIT} allowed; shorten `experiment` in the YAML to at most "
+            f"{NAME_LIMIT - len(stamp) - 1} characters"
+        )
+    return check_name(name)
+
+
 def experiment_name(raw: dict[str, Any], params: dict[str, Any], dag_run: Any) -> str:
     """Manual runs: the form's name. Scheduled/asset runs: a new experiment per run, ``<name>-<stamp>``."""
     name = params.get("experiment") or raw["experiment"]
     if run_type_of(dag_run) in SCHEDULED_RUN_TYPES:
-        return f"{raw['experiment']}-{run_stamp(dag_run)}"
+        return scheduled_name(str(raw["experiment"]), run_stamp(dag_run))
     return name
 
 
-def overrides_from(params: dict[str, Any]) -> dict[str, Any]:
+def trigger_overridable(dotted: str) -> bool:
+    """Whether the trigger form may set config key ``dotted`` (see ``config.TRIGGER_OVERRIDABLE``)."""
+    section, _, leaf = dotted.rpartition(".")
+    return dotted in TRIGGER_OVERRIDABLE or (bool(leaf) and f"{section}.*" in TRIGGER_OVERRIDABLE)
+
+
+def overrides_from(params: dict[str, Any], yaml_path: str | Path = "the DAG's YAML") -> dict[str, Any]:
+    """Dotted config overrides of the trigger form. Raises ConfigError naming any key it may not set.
+
+    ``params.overrides`` may use dotted keys or nested objects; both are flattened to
+    leaf keys and checked against the allow-list, so a nested ``{"rewards": {...}}`` is
+    refused like ``"rewards.function"``.
+    """
     out: dict[str, Any] = {}
     for name, (dotted, _) in HYPERPARAMETERS.items():
         if params.get(name) is not None:
@@ -72,7 +97,14 @@ def overrides_from(params: dict[str, Any]) -> dict[str, Any]:
     extra = params.get("overrides") or {}
     if not isinstance(extra, dict):
         raise ConfigError("params.overrides must be an object of dotted config keys, e.g. {\"algorithm.lr\": 0.0005}")
-    out.update(extra)
+    out.update(flatten(extra))
+    refused = sorted(key for key in out if not trigger_overridable(key))
+    if refused:
+        raise ConfigError(
+            f"params.overrides: {', '.join(repr(k) for k in refused)} cannot be set from the trigger form, which "
+            f"may only change hyperparameters ({', '.join(TRIGGER_OVERRIDABLE)}); it can only be changed in "
+            f"{yaml_path} by whoever deploys the DAG"
+        )
     return out
 
 
@@ -81,7 +113,7 @@ def resolve(yaml_path: str | Path, params: dict[str, Any] | None, dag_run: Any =
     """The run's config. Raises ConfigError naming the bad key."""
     params = dict(params or {})
     raw = read_yaml(yaml_path)
-    overrides = overrides_from(params)
+    overrides = overrides_from(params, yaml_path)
     overrides["experiment"] = experiment_name(raw, params, dag_run)
     overrides["storage.uri"] = _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))
     if endpoint_url and not (raw.get("storage") or {}).get("endpoint_url"):
