@@ -2,8 +2,12 @@
 state, the reward / accuracy curve (inline SVG), the latest snapshot and the recent events.
 
 Mounted on the api-server at ``/verl-tasks`` (``fastapi_apps``) and linked from the nav bar
-(``external_views``). Data comes from ``verl_tasks.runner.status`` and ``verl_tasks.events.read_events``;
-the experiments listed are those of the YAML files in ``dags/experiments`` (plus ``?experiment=NAME``).
+(``external_views``). Airflow does not put a plugin's app behind its auth, so every request goes through
+Airflow's own ``get_user`` (401/403 without a valid token) and lists only the experiments whose DAG the
+auth manager lets the user read: each YAML in ``dags/experiments`` is the DAG named after its stem.
+``?dag=ID`` shows one of them, ``?experiment=NAME`` another experiment name (a scheduled child, a fork)
+in that DAG's store. Data comes from ``verl_tasks.runner.status`` and ``verl_tasks.events.read_events``
+(the newest ``EVENTS_SHOWN`` events): a handful of listings per experiment, one per prefix.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any
 from airflow.plugins_manager import AirflowPlugin
 
 PREFIX = "/verl-tasks"
+EVENTS_SHOWN = 15
 
 
 def experiments_dir() -> Path:
@@ -76,7 +81,7 @@ def render_experiment(cfg, store) -> str:
         body.append(f"<tr><td>{row['epoch']}</td>{cells}<td>{m.get('reward_mean', float('nan')):.3f}</td>"
                     f"<td>{m.get('eval_accuracy', float('nan')):.3f}</td></tr>")
     base = st["base"]["metrics"].get("eval_accuracy")
-    events = read_events(store, Layout(cfg.experiment), limit=15)
+    events = read_events(store, Layout(cfg.experiment), limit=EVENTS_SHOWN)
     ev = "".join(
         f"<tr><td>{e(str(x.get('kind')))}</td><td>{e(str(x.get('unit', '')))}</td><td>{e(str(x.get('attempt', ''))[:26])}</td>"
         f"<td>{e(str(x.get('duration_s', '')))}</td><td>{e(str(x.get('error', ''))[:160])}</td></tr>" for x in reversed(events)
@@ -99,33 +104,59 @@ td,th{border:1px solid #ddd;padding:3px 8px;font-size:13px}td.committed{backgrou
 td.partial{background:#fef7e0}td.pruned{background:#eee}.alert{color:#b00;font-weight:bold}code{font-size:12px}</style>"""
 
 
+def experiment_yamls() -> dict[str, Path]:
+    """DAG id -> experiment YAML: each YAML is one DAG named after its stem (``factory.build_dag``)."""
+    return {path.stem: path for path in sorted(experiments_dir().glob("*.yaml"))}
+
+
+def readable_dag_ids(user, dag_ids: set[str]) -> set[str]:
+    """The subset of ``dag_ids`` the auth manager lets ``user`` read (teams included)."""
+    from airflow.api_fastapi.app import get_auth_manager
+
+    return dag_ids & get_auth_manager().get_authorized_dag_ids(user=user, method="GET")
+
+
+def _section(path: Path, experiment: str | None) -> str:
+    """One experiment's block; a broken YAML or store shows its error instead of hiding the others."""
+    from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
+    from verl_tasks.config import parse_config
+    from verl_tasks.runner import store_for
+
+    try:
+        raw = read_yaml(path)
+        overrides = {"storage.uri": _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))}
+        if experiment:
+            overrides["experiment"] = experiment
+        cfg = parse_config(raw, overrides)
+        return f"<p class=src>from <code>{html.escape(path.name)}</code></p>" + render_experiment(cfg, store_for(cfg))
+    except Exception as err:  # noqa: BLE001 - one broken experiment must not hide the others
+        return f"<p class=alert>{html.escape(path.name)}: {html.escape(type(err).__name__ + ': ' + str(err))}</p>"
+
+
 def create_app():
-    from fastapi import FastAPI, Query
+    """The dashboard app. Every request is authenticated by Airflow's own dependency (bearer header or
+    the UI's ``_token`` cookie): the plugin's mount is not behind Airflow's auth otherwise."""
+    from airflow.api_fastapi.core_api.security import get_user
+    from fastapi import Depends, FastAPI, HTTPException, Query
     from fastapi.responses import HTMLResponse
 
     app = FastAPI(title="verl-tasks dashboard")
 
     @app.get("/", response_class=HTMLResponse)
-    def dashboard(experiment: str | None = Query(None)) -> str:
-        from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
-        from verl_tasks.config import parse_config
-        from verl_tasks.runner import store_for
-
-        sections = []
-        for path in sorted(experiments_dir().glob("*.yaml")):
-            try:
-                raw = read_yaml(path)
-                overrides = {"storage.uri": _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))}
-                if experiment:
-                    overrides["experiment"] = experiment
-                cfg = parse_config(raw, overrides)
-                sections.append(f"<p class=src>from <code>{html.escape(path.name)}</code></p>" + render_experiment(cfg, store_for(cfg)))
-            except Exception as err:  # noqa: BLE001 - one broken experiment must not hide the others
-                sections.append(f"<p class=alert>{html.escape(path.name)}: {html.escape(type(err).__name__ + ': ' + str(err))}</p>")
-            if experiment:
-                break
-        form = ('<form method="get"><label>experiment <input name="experiment" value="%s"></label> <button>show</button></form>'
-                % html.escape(experiment or ""))
+    def dashboard(user=Depends(get_user), experiment: str | None = Query(None), dag: str | None = Query(None)) -> str:
+        yamls = experiment_yamls()
+        readable = readable_dag_ids(user, set(yamls))
+        if dag is not None and dag not in readable:
+            raise HTTPException(403, f"no experiment DAG {dag!r} you may read")
+        shown = [dag] if dag else sorted(readable)
+        if experiment:  # another experiment name (a scheduled child, a fork) in the store of one readable DAG
+            shown = shown[:1]
+        sections = [_section(yamls[dag_id], experiment) for dag_id in shown]
+        if not sections:
+            sections = ["<p>No experiment DAG you may read.</p>"]
+        form = ('<form method="get"><label>experiment <input name="experiment" value="%s"></label> '
+                '<label>DAG <input name="dag" value="%s"></label> <button>show</button></form>'
+                % (html.escape(experiment or ""), html.escape(dag or "")))
         return f"<!doctype html><html><head><title>verl-tasks</title>{STYLE}</head><body><h1>verl-tasks training</h1>{form}{''.join(sections)}</body></html>"
 
     return app
