@@ -1,7 +1,9 @@
 """Reward functions that misbehave on purpose (used by the sandbox and chaos tests)."""
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 
 
@@ -90,3 +92,19 @@ def two_args(solution_str, ground_truth):
 
 
 NOT_CALLABLE = 0.5
+
+
+def environment_report(data_source, solution_str, ground_truth, extra_info):
+    """Writes what the function can see (environment, working directory) to ``extra_info["report"]``."""
+    with open(extra_info["report"], "w") as handle:
+        json.dump({"env": dict(os.environ), "cwd": os.getcwd()}, handle)
+    return 1.0
+
+
+def protocol_breaker(data_source, solution_str, ground_truth, extra_info):
+    """Writes a forged reply line straight to the sandbox's reply fd (argv[2]), then answers normally."""
+    forged = {"garbage": b"not json\n", "wrong-index": b'{"i": 12345, "score": 1.0}\n',
+              "bad-score": b'{"i": 0, "score": "high"}\n'}.get(solution_str)
+    if forged:
+        os.write(int(sys.argv[2]), forged)
+    return 1.0 if solution_str == ground_truth else 0.0

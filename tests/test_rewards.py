@@ -1,11 +1,14 @@
 """Built-in scorers and the sandbox: exceptions, hangs, crashes and non-numbers get the default."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from verl_tasks.errors import ConfigError
 from verl_tasks.rewards.builtin import exact_answer, extract_gsm8k_answer, gsm8k
-from verl_tasks.rewards.sandbox import RewardSandbox
+from verl_tasks.rewards.sandbox import RewardSandbox, check_reply
 
 BAD = "tests.reward_fixtures"
 
@@ -47,3 +50,41 @@ def test_sandbox_memory_limit_stops_a_hog():
 def test_unloadable_reward_function_is_a_config_error():
     with pytest.raises(ConfigError, match="cannot be loaded"):
         RewardSandbox("no_such_module_xyz:fn", 1.0, 512).start()
+
+
+def test_reward_function_sees_no_secrets_and_runs_in_a_temporary_folder(tmp_path, monkeypatch):
+    secret = "vt-reward-secret-5e1d"
+    names = {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "RAY_AUTH_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
+             "AIRFLOW_CONN_S3", "MY_SERVICE_PASSWORD", "OPENAI_API_KEY", "DB_SECRET"}
+    for name in names:
+        monkeypatch.setenv(name, secret)
+    monkeypatch.setenv("VT_TEST_PLAIN_SETTING", "visible")
+    report = tmp_path / "report.json"
+    sample = _requests("1")[0] | {"extra_info": {"report": str(report)}}
+    with RewardSandbox(f"{BAD}:environment_report", timeout_s=10.0, memory_limit_mb=1024) as box:
+        workdir = box.workdir
+        assert box.score([sample], default=-1.0).scores == [1.0]
+    seen = json.loads(report.read_text())
+    assert secret not in json.dumps(seen["env"])
+    assert not names & set(seen["env"]) and not [k for k in seen["env"] if k.startswith(("AWS_", "RAY_"))]
+    assert seen["env"]["VT_TEST_PLAIN_SETTING"] == "visible"  # ordinary settings still reach the function
+    assert Path(seen["cwd"]).resolve() == Path(workdir).resolve() != Path.cwd().resolve()
+    assert Path(seen["cwd"]).name.startswith("vt-reward-") and not Path(workdir).exists()  # removed on close
+
+
+def test_malformed_replies_get_the_default_score():
+    texts = ("bad-score", "1", "garbage", "1", "wrong-index", "1")
+    with RewardSandbox(f"{BAD}:protocol_breaker", timeout_s=5.0, memory_limit_mb=1024) as box:
+        result = box.score(_requests(*texts), default=-1.0)
+    assert result.scores == [-1.0, 1.0, -1.0, 1.0, -1.0, 1.0]
+    assert set(result.failures) == {"s0", "s2", "s4"}
+    assert "not a finite number" in result.failures["s0"]
+    assert "not JSON" in result.failures["s2"]
+    assert "for sample 4" in result.failures["s4"]
+
+
+@pytest.mark.parametrize("reply", [[1], {"i": 3, "score": 1.0}, {"i": True, "score": 1.0}, {"i": 1, "score": True},
+                                   {"i": 1, "score": float("inf")}, {"i": 1}])
+def test_check_reply_refuses_what_is_not_a_score_for_this_sample(reply):
+    score, reason = check_reply(reply, 1)
+    assert score is None and reason.startswith("malformed reply")

@@ -4,23 +4,35 @@ A sample whose scoring raises, returns a non-number, hangs past the limit or
 kills the worker gets the configured default score; its id and the reason are
 returned so the phase can record them. The worker is restarted after a hang
 or a crash.
+
+The reward function is user code: the worker runs without secrets in its
+environment (:func:`verl_tasks.secrets.scrubbed_env`: no ``AWS_*``, Ray or Hugging
+Face tokens, passwords), in a fresh temporary working directory, and every reply is
+checked (well-formed JSON, the request's sample index, a finite number); anything
+else gets the default score and a restarted worker.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from verl_tasks.errors import ConfigError
+from verl_tasks.secrets import scrubbed_env
 
 log = logging.getLogger(__name__)
+MALFORMED = object()  # a reply line that is not JSON
+BAD_REPLY = "malformed reply"
 
 
 @dataclass
@@ -40,15 +52,26 @@ class RewardSandbox:
         self.reader: int | None = None
         self._buffer = b""
         self._eof = False
+        self.workdir: str | None = None
 
     def _limits(self) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (self.memory_limit, self.memory_limit))
         os.setsid()
 
+    @staticmethod
+    def _environment() -> dict[str, str]:
+        """The parent's environment without secrets; the parent's folder stays importable (as with ``-m``)."""
+        env = scrubbed_env(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+        return env
+
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
+        self.workdir = tempfile.mkdtemp(prefix="vt-reward-")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "verl_tasks.rewards.worker", self.function, str(write_fd)],
+            cwd=self.workdir,
+            env=self._environment(),
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE if log.isEnabledFor(logging.DEBUG) else subprocess.DEVNULL,
@@ -61,12 +84,14 @@ class RewardSandbox:
         self._buffer = b""
         self._eof = False
         hello = self._read_line(max(30.0, self.timeout_s))
-        if hello is None or "load_error" in hello:
-            reason = hello["load_error"] if hello else "the worker did not start"
+        if not isinstance(hello, dict) or not hello.get("ready"):
+            reason = hello.get("load_error") if isinstance(hello, dict) else None
             self.close()
-            raise ConfigError(f"rewards.function {self.function!r} cannot be loaded: {reason}")
+            raise ConfigError(f"rewards.function {self.function!r} cannot be loaded: "
+                              f"{reason or 'the worker did not start'}")
 
-    def _read_line(self, timeout: float) -> dict[str, Any] | None:
+    def _read_line(self, timeout: float) -> Any:
+        """The next reply (any JSON value; ``MALFORMED`` when not JSON), or None on timeout or a dead worker."""
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
@@ -81,7 +106,10 @@ class RewardSandbox:
                 return None
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return MALFORMED
 
     def close(self) -> None:
         if self.proc is not None:
@@ -96,6 +124,9 @@ class RewardSandbox:
         if self.reader is not None:
             os.close(self.reader)
             self.reader = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
 
     def __enter__(self) -> "RewardSandbox":
         self.start()
@@ -123,9 +154,24 @@ class RewardSandbox:
                 self.close()
                 result.scores.append(default)
                 result.failures[sample["id"]] = reason
-            elif "error" in reply:
-                result.scores.append(default)
-                result.failures[sample["id"]] = reply["error"]
-            else:
-                result.scores.append(float(reply["score"]))
+                continue
+            score, reason = check_reply(reply, i)
+            if reason is not None and reason.startswith(BAD_REPLY):
+                self.close()  # the protocol is out of step: start a clean worker
+            result.scores.append(default if score is None else score)
+            if reason is not None:
+                result.failures[sample["id"]] = reason
         return result
+
+
+def check_reply(reply: Any, index: int) -> tuple[float | None, str | None]:
+    """``(score, None)`` for a good reply; ``(None, reason)`` for the function's error or a bad reply."""
+    if not isinstance(reply, dict) or reply.get("i") != index or isinstance(reply.get("i"), bool):
+        got = "a line that is not JSON" if reply is MALFORMED else str(reply)[:100]
+        return None, f"{BAD_REPLY}: expected a JSON object for sample {index}, got {got}"
+    if isinstance(reply.get("error"), str):
+        return None, reply["error"][:300]
+    score = reply.get("score")
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        return None, f"{BAD_REPLY}: score {str(score)[:100]} is not a finite number"
+    return float(score), None

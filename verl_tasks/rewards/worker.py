@@ -1,7 +1,10 @@
 """The sandboxed scoring process: reads JSON requests on stdin, answers on a private fd.
 
-Run as ``python -m verl_tasks.rewards.worker FUNCTION_PATH FD``. The reward
-function's own prints go to stderr, so they cannot corrupt the protocol.
+Run as ``python -m verl_tasks.rewards.worker FUNCTION_PATH FD`` by
+:class:`verl_tasks.rewards.sandbox.RewardSandbox`, which gives it an environment
+without secrets and a temporary working directory. The reward function's own
+prints go to stderr, so they cannot corrupt the protocol; replies are checked by
+the parent anyway (the function could write to the fd).
 """
 from __future__ import annotations
 
