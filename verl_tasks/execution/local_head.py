@@ -5,7 +5,8 @@
     python -m verl_tasks.execution.local_head env   [--state-dir .ray-head]   # shell exports for clients
 
 The head runs ``ray start --head --block`` under ``setsid`` with its own
-``RAY_TMPDIR`` and its own token file (token authentication stays on). Its PID
+``RAY_TMPDIR`` and its own token file (token authentication stays on), created 0600
+from the start in a state directory created 0700. Its PID
 is recorded in the state directory; ``stop`` sends SIGTERM to that process
 group leader and waits. ``ray stop`` is never used: it kills every Ray process
 on the machine by name.
@@ -18,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -59,6 +61,39 @@ def read_info(state_dir: Path) -> HeadInfo | None:
     return info if _alive(info.pid) else None
 
 
+class UnsafeStateDir(RuntimeError):
+    """The state folder or the token in it is open to other users (the token admits to the cluster)."""
+
+
+def private_dir(path: Path) -> Path:
+    """The state folder, created 0700; an existing one must already be closed to group and others."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISDIR(mode) or mode & 0o077:
+            raise UnsafeStateDir(f"ray head state folder {path} is not a private directory (mode {oct(mode & 0o777)}); "
+                                 f"run `chmod 700 {path}` or pass another --state-dir") from None
+    return path
+
+
+def ensure_token(path: Path) -> Path:
+    """A fresh random token, 0600 from the moment the file exists (O_EXCL: a planted file or link is
+    never written through); an existing token is kept only if nobody else can read it."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISREG(mode) or mode & 0o077:
+            raise UnsafeStateDir(f"ray token {path} is readable by others or not a plain file (mode {oct(mode & 0o777)}); "
+                                 f"delete it and start again to get a new one") from None
+        return path
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32))
+    return path
+
+
 def _ready(info: HeadInfo, timeout_s: float) -> None:
     from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
 
@@ -79,15 +114,11 @@ def _ready(info: HeadInfo, timeout_s: float) -> None:
 def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = 2,
           timeout_s: float = 90) -> HeadInfo:
     """Start the head (or return the running one) and wait until its Jobs API answers."""
-    state_dir = Path(state_dir).resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = private_dir(Path(state_dir).resolve())
     running = read_info(state_dir)
     if running:
         return running
-    token_file = state_dir / "auth_token"
-    if not token_file.exists():
-        token_file.write_text(secrets.token_hex(32))
-        token_file.chmod(0o600)
+    token_file = ensure_token(state_dir / "auth_token")
     # Unix socket paths must stay short: RAY_TMPDIR goes under /tmp, named by the port.
     tmpdir = Path(f"/tmp/vt-ray-{port}")
     tmpdir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     state = Path(args.state_dir)
     if args.action == "start":
         started = time.monotonic()
-        info = start(state, port=args.port, dashboard_port=args.dashboard_port, num_cpus=args.num_cpus)
+        try:
+            info = start(state, port=args.port, dashboard_port=args.dashboard_port, num_cpus=args.num_cpus)
+        except UnsafeStateDir as err:
+            log.error("%s", err)
+            return 2
         log.info("ray head pid %d at %s (ready in %.1fs)", info.pid, info.address, time.monotonic() - started)
     elif args.action == "stop":
         log.info("ray head stopped" if stop(state) else "no ray head was running")
