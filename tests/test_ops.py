@@ -179,7 +179,7 @@ def test_escalate_enters_safe_mode_and_resume_leaves_it(copy):
 
 
 def test_resume_point_is_verified_and_a_corrupt_snapshot_is_recomputed(copy, trained):
-    from verl_tasks.ops.fallback import check_resume_point
+    from verl_tasks.phases.fallback import check_resume_point
 
     ctx = copy["ctx"]
     path = weights_path(ctx, 2)

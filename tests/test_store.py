@@ -1,13 +1,20 @@
-"""The commit protocol on both backends: visibility, races, corruption, missing files, gc, keys."""
+"""The commit protocol on both backends: visibility, races, corruption, missing files, gc, keys, errors."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
+import time
 
 import pytest
 
-from verl_tasks.errors import IntegrityError, UnsafeKey
+from verl_tasks.errors import IntegrityError, StoreError, UnsafeKey
+from verl_tasks.layout import Layout
+from verl_tasks.ops.gc import collect
+from verl_tasks.store import LocalStore, open_store
 from verl_tasks.store.units import (
+    IDLE_MARGIN_S,
     MARKER,
     UnitWriter,
     garbage_attempts,
@@ -95,16 +102,60 @@ def test_marker_lists_sizes_and_hashes(store):
     assert set(body["files"]["meta.json"]) == {"size", "sha256"}
 
 
-def test_gc_finds_only_unreferenced_attempts(store):
+def test_gc_collects_losers_at_once_and_uncommitted_attempts_only_when_idle(store):
     crashed = UnitWriter(store, UNIT)
     crashed.write_bytes("a", b"half")  # the process died before the marker
     done = UnitWriter(store, UNIT)
     done.write_bytes("a", b"whole")
     done.commit()
     other = UnitWriter(store, "exp/epochs/00000/rollout/b0001")
-    other.write_bytes("a", b"orphan")  # never committed at all
-    garbage = garbage_attempts(store, "exp/")
-    assert garbage == sorted([f"{UNIT}/.attempts/{crashed.attempt}/", f"exp/epochs/00000/rollout/b0001/.attempts/{other.attempt}/"])
+    other.write_bytes("a", b"orphan")  # not committed: maybe still running
+    loser = f"{UNIT}/.attempts/{crashed.attempt}/"
+    orphan = f"exp/epochs/00000/rollout/b0001/.attempts/{other.attempt}/"
+    assert garbage_attempts(store, "exp/") == [loser]
+    later = time.time() + IDLE_MARGIN_S + 60
+    assert garbage_attempts(store, "exp/", now=later) == sorted([loser, orphan])
+    assert garbage_attempts(store, "exp/", now=later, idle_limit=lambda unit: 2 * IDLE_MARGIN_S) == [loser]
+
+
+def test_gc_keeps_a_young_attempt_with_an_old_id_and_a_live_unit(store):
+    """An attempt id stamped long ago says nothing about liveness; the last write does."""
+    layout = Layout("exp")
+    running = UnitWriter(store, layout.update(0), attempt="20200101T000000-0123456789")
+    running.write_bytes("model.safetensors", b"still writing")
+    report = collect(store, layout, older_than_s=0, timeouts={"update": 7200})
+    assert report.attempts == []
+    assert store.list(f"{layout.update(0)}/.attempts/")
+    running.write_bytes("metrics.json", b"{}")
+    record, won = running.commit()
+    assert won and verify_unit(store, record) == []
+    dead = UnitWriter(store, layout.update(1), attempt="20200101T000000-9876543210")
+    dead.write_bytes("model.safetensors", b"died")
+    idle = time.time() + 7200 + IDLE_MARGIN_S + 60
+    assert collect(store, layout, 0, dry_run=True, now=idle, timeouts={"update": 7200}).attempts == [
+        f"{layout.update(1)}/.attempts/{dead.attempt}/"]
+    assert collect(store, layout, 0, dry_run=True, now=idle, timeouts={"update": 9999}).attempts == []
+
+
+def test_commit_refuses_when_a_listed_file_is_gone(store):
+    writer = UnitWriter(store, UNIT)
+    writer.write_bytes("a", b"one")
+    writer.write_bytes("b", b"two")
+    store.delete(f"{UNIT}/.attempts/{writer.attempt}/b")  # e.g. a gc that raced the task
+    with pytest.raises(StoreError, match=r"lost files before commit \(b: missing\)"):
+        writer.commit()
+    assert read_marker(store, UNIT) is None
+
+
+def test_commit_of_a_loser_whose_files_are_gone_returns_the_winner(store):
+    loser = UnitWriter(store, UNIT)
+    loser.write_bytes("a", b"x")
+    winner = UnitWriter(store, UNIT)
+    winner.write_bytes("a", b"y")
+    winner.commit()
+    store.delete(f"{UNIT}/.attempts/{loser.attempt}/a")
+    record, won = loser.commit()
+    assert not won and record.attempt == winner.attempt
 
 
 @pytest.mark.parametrize("key", ["/abs", "a/../b", "../x", "a//b", "a/./b", ""])
@@ -129,3 +180,93 @@ def test_large_file_roundtrip_and_copy(store, tmp_path):
     target.copy_from(record, "weights.safetensors")
     copied, _ = target.commit()
     assert verify_unit(store, copied) == []
+
+
+def test_local_files_and_folders_are_group_readable(tmp_path):
+    old = os.umask(0o022)
+    try:
+        store = LocalStore(tmp_path / "store")
+        UnitWriter(store, UNIT).write_bytes("a", b"x")
+        assert store.put_if_absent(f"{UNIT}/{MARKER}", b"{}")
+        store.put_file("exp/file.bin", tmp_path / "store" / UNIT / MARKER)
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "store" / UNIT / MARKER, tmp_path / "store" / "exp/file.bin"):
+        mode = path.stat().st_mode
+        assert mode & stat.S_IRGRP and mode & stat.S_IROTH and not mode & stat.S_IWGRP, oct(mode)
+    assert (tmp_path / "store" / UNIT).stat().st_mode & stat.S_IXGRP
+
+
+def test_local_store_fsyncs_the_folder_after_rename_and_link(tmp_path, monkeypatch):
+    """A unit test of the store: the OS call is observed, since a power loss cannot be."""
+    store = LocalStore(tmp_path / "store")
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            synced.append(info.st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    store.put("exp/a/one", b"1")
+    folder = (tmp_path / "store/exp/a").stat().st_ino
+    assert folder in synced and (tmp_path / "store/exp").stat().st_ino in synced  # new folder's entry too
+    synced.clear()
+    assert store.put_if_absent("exp/a/marker", b"m")
+    assert synced == [folder]
+
+
+def test_gc_sweeps_stale_temp_files_and_keeps_fresh_ones(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    layout = Layout("exp")
+    UnitWriter(store, layout.plan(0)).write_bytes("plan.json", b"{}")
+    folder = tmp_path / "store" / layout.plan(0)
+    stale, fresh = folder / ".tmp-crashedwriter", folder / ".tmp-writingnow"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    past = time.time() - IDLE_MARGIN_S - 60
+    os.utime(stale, (past, past))
+    assert collect(store, layout, 0, dry_run=True).temp_files == [f"{layout.plan(0)}/.tmp-crashedwriter"]
+    report = collect(store, layout, 0)
+    assert report.temp_files == [f"{layout.plan(0)}/.tmp-crashedwriter"]
+    assert not stale.exists() and fresh.exists()
+
+
+@pytest.fixture
+def no_aws_credentials(tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        empty = tmp_path / name.lower()
+        empty.write_text("")
+        monkeypatch.setenv(name, str(empty))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_s3_without_credentials_is_one_line_naming_the_fix(moto_endpoint, s3_bucket, no_aws_credentials):
+    store = open_store(f"s3://{s3_bucket}/prefix", endpoint_url=moto_endpoint)
+    with pytest.raises(StoreError) as err:
+        store.get("exp/experiment.json")
+    message = str(err.value)
+    assert "\n" not in message and f"s3://{s3_bucket}/prefix/exp/experiment.json" in message
+    assert "no usable AWS credentials" in message and "storage.aws_conn_id" in message
+    assert "AWS_ACCESS_KEY_ID" in message
+
+
+def test_s3_access_denied_is_one_line_naming_the_fix(moto_endpoint, s3_bucket, monkeypatch):
+    from moto import settings
+
+    store = open_store(f"s3://{s3_bucket}/prefix", endpoint_url=moto_endpoint,
+                       credentials={"aws_access_key_id": "AKIAUNKNOWNKEY000000", "aws_secret_access_key": "wrong"})
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server now checks keys: a real 403
+    for call in (lambda: store.put("exp/k", b"x"), lambda: store.list("exp/"), lambda: store.exists("exp/k"),
+                 lambda: store.put_if_absent("exp/m", b"x")):
+        with pytest.raises(StoreError) as err:
+            call()
+        message = str(err.value)
+        assert "\n" not in message and "S3 refused access" in message
+        assert "InvalidAccessKeyId" in message or "403" in message
+        assert f"bucket {s3_bucket}" in message and "storage.aws_conn_id" in message

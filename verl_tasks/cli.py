@@ -264,11 +264,12 @@ def gc(
     _setup_logging(False)
     from verl_tasks.layout import Layout
     from verl_tasks.ops.gc import collect, parse_age
-    from verl_tasks.runner import store_for
+    from verl_tasks.store import store_for
 
     try:
         cfg = _load(config, store, experiment)
-        report = collect(store_for(cfg), Layout(cfg.experiment), parse_age(older_than), dry_run=dry_run)
+        report = collect(store_for(cfg), Layout(cfg.experiment), parse_age(older_than), dry_run=dry_run,
+                         timeouts=cfg.fault_tolerance.timeout_s)
     except VerlTasksError as err:
         _fail(err)
     for line in report.lines():

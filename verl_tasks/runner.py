@@ -5,7 +5,6 @@ phase functions, one task per unit, through an execution backend.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Callable
 
@@ -14,19 +13,14 @@ from verl_tasks.errors import IntegrityError
 from verl_tasks.layout import Layout
 from verl_tasks.phase_registry import PHASES, phase as phase_spec
 from verl_tasks.phases import PhaseContext
-from verl_tasks.store import ObjectStore, open_store
-from verl_tasks.store.base import NotFound
+from verl_tasks.ops.safe_mode import read_safe_mode
+from verl_tasks.store import ObjectStore, store_for
+from verl_tasks.store.conventions import quarantine_records, read_latest
 from verl_tasks.store.units import MARKER, PRUNED, CommitRecord, is_committed, read_marker
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int | None], None]
-
-
-def store_for(config: ExperimentConfig, credentials: dict[str, str] | None = None) -> ObjectStore:
-    s = config.storage
-    return open_store(s.uri, endpoint_url=s.endpoint_url, region=s.region, sse=s.sse,
-                      sse_kms_key_id=s.sse_kms_key_id, credentials=credentials)
 
 
 def make_context(config: ExperimentConfig, credentials: dict[str, str] | None = None) -> PhaseContext:
@@ -58,10 +52,10 @@ def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None) -> d
     """Run epochs ``0..epochs-1``; committed units are skipped. Returns the status.
 
     Before any work, the newest committed snapshot is verified; a corrupt one is
-    quarantined and training resumes from the previous valid one (``ops.fallback``).
+    quarantined and training resumes from the previous valid one (``phases.fallback``).
     """
     if not all(epoch_done(ctx, e, epochs) for e in range(epochs)):
-        from verl_tasks.ops.fallback import check_resume_point
+        from verl_tasks.phases.fallback import check_resume_point
 
         check_resume_point(ctx)
     for epoch in range(epochs):
@@ -84,22 +78,6 @@ def _metrics(store: ObjectStore, unit: str) -> dict[str, Any]:
     return dict(record.meta.get("metrics", {})) if record else {}
 
 
-def _quarantined(store: ObjectStore, keys: set[str]) -> list[dict[str, Any]]:
-    """Units whose marker was moved aside after failing verification, oldest first."""
-    out = []
-    for key in sorted(keys):
-        at = key.find("/.quarantine/")
-        if at < 0:
-            continue
-        unit = key[:at]
-        try:
-            reason = json.loads(store.get(key)).get("reason", "")
-        except (NotFound, ValueError):
-            reason = ""
-        out.append({"unit": unit, "reason": reason, "record": key, "recovered": f"{unit}/{MARKER}" in keys})
-    return out
-
-
 def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
     """Per epoch, each phase's state and metrics; the latest snapshot; the base policy's metrics."""
     layout = Layout(config.experiment)
@@ -114,31 +92,22 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
                 units = [spec.unit(layout, epoch)]
             done = sum(f"{u}/{MARKER}" in keys for u in units)
             state = "committed" if done == len(units) else ("absent" if done == 0 else f"{done}/{len(units)} committed")
-            if phase == "snapshot" and done and f"{units[0]}/{PRUNED}" in keys:
-                state = "pruned"
+            if phase in ("snapshot", "update") and done and f"{units[0]}/{PRUNED}" in keys:
+                state = "pruned"  # weights deleted by retention: unavailable, not corrupt
             phases[phase] = state
         metrics = {}
-        if phases["update"] in ("committed",):
+        if phases["update"] in ("committed", "pruned"):
             upd = _metrics(store, layout.update(epoch))
             metrics.update({k: upd[k] for k in ("reward_mean", "reward_std", "actor/loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/entropy") if k in upd})
         if phases["evaluate"] == "committed":
             metrics.update({k: v for k, v in _metrics(store, layout.evaluate(epoch)).items() if k.startswith("eval_")})
         if any(v != "absent" for v in phases.values()):
             epochs.append({"epoch": epoch, "phases": phases, "metrics": metrics})
-    latest = None
-    try:
-        pointer = json.loads(store.get(layout.latest))
-        latest = {"epoch": pointer["version"] - 1 if pointer["version"] else None, "version": pointer["version"],
-                  "uri": pointer["uri"], "weights_sha256": pointer["weights_sha256"]}
-    except (NotFound, ValueError, KeyError):
-        pass
+    pointer = read_latest(store, layout)
+    latest = {"epoch": pointer["version"] - 1 if pointer["version"] else None, "version": pointer["version"],
+              "uri": pointer.get("uri"), "weights_sha256": pointer.get("weights_sha256")} if pointer else None
     base_metrics = {k: v for k, v in _metrics(store, layout.base_evaluate).items() if k.startswith("eval_")}
-    safe_mode = None
-    try:
-        safe_mode = json.loads(store.get(layout.safe_mode))
-    except NotFound:
-        pass
-    quarantined = _quarantined(store, keys)
+    quarantined = quarantine_records(store, keys)
     return {
         "experiment": config.experiment,
         "quarantined": quarantined,
@@ -150,7 +119,7 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "epochs": epochs,
         "latest_snapshot": latest,
         "base": {"metrics": base_metrics},
-        "safe_mode": safe_mode,
+        "safe_mode": read_safe_mode(store, layout),
     }
 
 

@@ -9,36 +9,37 @@ library (``phases/prepare.py``) eventually; it only uses the store's commit prot
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from verl_tasks.errors import ConfigError
 from verl_tasks.layout import Layout
-from verl_tasks.store.base import NotFound, ObjectStore
-from verl_tasks.store.units import CommitRecord, UnitWriter, is_pruned, read_marker
+from verl_tasks.store import conventions
+from verl_tasks.store.base import ObjectStore
+from verl_tasks.store.conventions import NOT_COPIED, WEIGHTS
+from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker
 
 log = logging.getLogger(__name__)
-NOT_COPIED = ("optimizer.safetensors", "trainer_state.json", "metrics.json")
 
 
 def latest_version(store: ObjectStore, experiment: str) -> int | None:
     """The parent's newest published snapshot version, or None when it has none."""
-    try:
-        return int(json.loads(store.get(Layout(experiment).latest))["version"])
-    except (NotFound, ValueError, KeyError):
-        return None
+    return conventions.latest_version(store, Layout(experiment))
 
 
 def parent_snapshot(store: ObjectStore, experiment: str, version: int) -> CommitRecord:
-    """The committed, unpruned snapshot ``version`` of ``experiment``. Raises ConfigError otherwise."""
+    """The committed, unpruned snapshot ``version`` of ``experiment``.
+
+    Raises:
+        ConfigError: it is not committed.
+        SnapshotPruned: retention deleted its weights (the message names the newest kept one).
+    """
     layout = Layout(experiment)
     unit = layout.snapshot(version)
     record = read_marker(store, unit)
     if record is None:
         raise ConfigError(f"experiment {experiment!r} has no committed snapshot {version} ({unit})")
-    if is_pruned(store, unit):
-        raise ConfigError(f"snapshot {version} of {experiment!r} was pruned by retention; pick a newer one")
+    conventions.check_not_pruned(store, layout, version)
     return record
 
 
@@ -53,7 +54,7 @@ def seed_base_from(store: ObjectStore, experiment: str, parent: str, version: in
         return {"unit": target, "attempt": existing.attempt, "parent": origin}
     source = parent_snapshot(store, parent, version)
     origin = {"experiment": parent, "version": version, "unit": source.unit, "attempt": source.attempt,
-              "weights_sha256": source.files["model.safetensors"].sha256 if "model.safetensors" in source.files else None}
+              "weights_sha256": source.files[WEIGHTS].sha256 if WEIGHTS in source.files else None}
     writer = UnitWriter(store, target)
     for name in sorted(source.files):
         if name not in NOT_COPIED:

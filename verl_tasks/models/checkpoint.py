@@ -15,11 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from verl_tasks.errors import IntegrityError
+from verl_tasks.store.conventions import OPTIMIZER, WEIGHTS
+
+__all__ = ["WEIGHTS", "OPTIMIZER", "refuse_pickles", "save_policy", "load_policy", "save_optimizer", "load_optimizer"]
 
 ALLOWED_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja")
 PICKLE_NAMES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-WEIGHTS = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
 
 
 def refuse_pickles(folder: Path) -> None:

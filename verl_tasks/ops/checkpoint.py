@@ -16,13 +16,12 @@ from typing import Any
 
 from verl_tasks.errors import ConfigError, IntegrityError, StoreError
 from verl_tasks.layout import Layout
-from verl_tasks.models.checkpoint import OPTIMIZER, WEIGHTS, load_policy, refuse_pickles
+from verl_tasks.models.checkpoint import load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
-from verl_tasks.store.units import MARKER, CommitRecord, download, is_pruned, read_json, read_marker, verify_unit
+from verl_tasks.store.conventions import TRAINING_ONLY, WEIGHTS, snapshot_versions
+from verl_tasks.store.units import CommitRecord, download, is_pruned, read_json, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
-
-TRAINING_ONLY = (OPTIMIZER, "trainer_state.json")
 
 
 @dataclass(frozen=True)
@@ -82,17 +81,6 @@ def resolve(uri: str, endpoint_url: str | None = None) -> tuple[ObjectStore, Lay
     root = "/".join(parts[:-1]) or "/"
     store = open_store(scheme + root, endpoint_url=endpoint_url)
     return store, Layout(experiment), version
-
-
-def snapshot_versions(store: ObjectStore, layout: Layout) -> list[int]:
-    """Versions with a committed marker, ascending."""
-    versions = set()
-    for key in store.list(layout.snapshots + "/"):
-        if key.endswith("/" + MARKER):
-            v = layout.snapshot_version(key)
-            if v is not None:
-                versions.add(v)
-    return sorted(versions)
 
 
 def refs(uri: str, endpoint_url: str | None = None) -> list[SnapshotRef]:

@@ -1,13 +1,15 @@
-"""Garbage collection: attempt folders no marker names, and tombstones/quarantine records past an age.
+"""Garbage collection: dead attempt folders, stale temp files, and tombstones/quarantine records past an age.
 
-An attempt folder is removed only when it is older than ``older_than`` (an
-attempt that is still running has no marker yet) and no younger tombstone or
-quarantine record names it (rolled-back data is kept for that long).
+An attempt folder is removed only when it can never be committed and no
+running task may still be writing it: its unit has a marker naming another
+attempt, or nothing was written in it for the phase's timeout plus a margin
+(``garbage_attempts``). It must also be older than ``older_than``, and no
+younger tombstone or quarantine record may name it (rolled-back data is kept
+for that long). Half-written ``.tmp-`` files of a local store older than the
+margin are swept too.
 """
 from __future__ import annotations
 
-import calendar
-import json
 import logging
 import re
 import time
@@ -18,7 +20,8 @@ from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.ops.rollback import tombstone_units
 from verl_tasks.store.base import ObjectStore
-from verl_tasks.store.units import ATTEMPTS, QUARANTINE, garbage_attempts
+from verl_tasks.store.conventions import quarantine_records
+from verl_tasks.store.units import ATTEMPTS, IDLE_MARGIN_S, garbage_attempts, stamp_time
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +37,14 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def stamp_time(name: str) -> float | None:
-    """Epoch seconds of a ``YYYYmmddTHHMMSS...`` attempt id or tombstone stamp, or None."""
-    try:
-        return float(calendar.timegm(time.strptime(name[:15], "%Y%m%dT%H%M%S")))
-    except ValueError:
-        return None
+def phase_of(layout: Layout, unit: str) -> str:
+    """The phase (task) that writes ``unit``: its timeout bounds how long a live attempt stays idle."""
+    parts = unit[len(layout.root) + 1 :].split("/")
+    if parts[0] == "epochs" and len(parts) > 2:
+        return parts[2]
+    if parts[0] == "snapshots":
+        return "snapshot" if parts[1:2] != ["00000"] else "plan"
+    return "evaluate" if parts[0] == "base" else "plan"  # data/ and the base snapshot: the first plan
 
 
 @dataclass
@@ -47,17 +52,25 @@ class GcReport:
     attempts: list[str] = field(default_factory=list)
     tombstones: list[str] = field(default_factory=list)
     quarantine_records: list[str] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)
     kept_recent: int = 0
     deleted_keys: int = 0
 
     def lines(self) -> list[str]:
         return ([f"attempt    {p}" for p in self.attempts] + [f"tombstone  {p}" for p in self.tombstones]
-                + [f"quarantine {k}" for k in self.quarantine_records])
+                + [f"quarantine {k}" for k in self.quarantine_records] + [f"temp file  {k}" for k in self.temp_files])
 
 
 def collect(store: ObjectStore, layout: Layout, older_than_s: float, dry_run: bool = False,
-            now: float | None = None) -> GcReport:
-    """Find (and unless ``dry_run`` delete) garbage of one experiment."""
+            now: float | None = None, timeouts: dict[str, float] | None = None,
+            margin_s: float = IDLE_MARGIN_S) -> GcReport:
+    """Find (and unless ``dry_run`` delete) garbage of one experiment.
+
+    Args:
+        timeouts: ``fault_tolerance.timeout_s`` (per phase); an attempt idle for its
+            phase's timeout plus ``margin_s`` belongs to a dead task.
+    """
+    timeouts = timeouts or {}
     now = time.time() if now is None else now
     cutoff = now - older_than_s
     report = GcReport()
@@ -69,36 +82,34 @@ def collect(store: ObjectStore, layout: Layout, older_than_s: float, dry_run: bo
         else:
             protected.update(f"{unit}/{ATTEMPTS}/{att}/" for unit, att in entry["attempts"].items())
     keys = store.list(layout.root + "/epochs/") + store.list(layout.snapshots + "/") + store.list(layout.root + "/data/")
-    for key in keys:
-        at = key.find(f"/{QUARANTINE}/")
-        if at < 0:
-            continue
-        created = stamp_time(key.rsplit("/", 1)[-1]) or now
-        if created <= cutoff:
-            report.quarantine_records.append(key)
-            continue
-        try:
-            attempt = json.loads(json.loads(store.get(key))["marker"])["attempt"]
-            protected.add(f"{key[:at]}/{ATTEMPTS}/{attempt}/")
-        except (KeyError, ValueError, TypeError):
-            pass
-    for prefix in garbage_attempts(store, layout.root + "/"):
+    for record in quarantine_records(store, keys):
+        if (record["created"] or now) <= cutoff:
+            report.quarantine_records.append(record["record"])
+        elif record["attempt"]:
+            protected.add(f"{record['unit']}/{ATTEMPTS}/{record['attempt']}/")
+
+    def idle_limit(unit: str) -> float:
+        return timeouts.get(phase_of(layout, unit), 0.0) + margin_s
+
+    for prefix in garbage_attempts(store, layout.root + "/", now=now, idle_limit=idle_limit):
         attempt = prefix.rstrip("/").rsplit("/", 1)[-1]
         started = stamp_time(attempt)
         if prefix in protected or (started is not None and started > cutoff):
             report.kept_recent += 1
             continue
         report.attempts.append(prefix)
+    report.temp_files = sorted(k for k, mtime in store.temp_files(layout.root + "/").items() if now - mtime > margin_s)
     if not dry_run:
         for prefix in report.attempts + report.tombstones:
             report.deleted_keys += store.delete_prefix(prefix)
-        for key in report.quarantine_records:
+        for key in report.quarantine_records + report.temp_files:
             store.delete(key)
             report.deleted_keys += 1
         if report.deleted_keys:
             record_event(store, layout, "gc", attempts=len(report.attempts), tombstones=len(report.tombstones),
-                         quarantine_records=len(report.quarantine_records), deleted_keys=report.deleted_keys)
-    log.info("gc %s: %d attempt folder(s), %d tombstone(s), %d quarantine record(s)%s", layout.experiment,
-             len(report.attempts), len(report.tombstones), len(report.quarantine_records),
-             " (dry run)" if dry_run else "")
+                         quarantine_records=len(report.quarantine_records), temp_files=len(report.temp_files),
+                         deleted_keys=report.deleted_keys)
+    log.info("gc %s: %d attempt folder(s), %d tombstone(s), %d quarantine record(s), %d temp file(s)%s",
+             layout.experiment, len(report.attempts), len(report.tombstones), len(report.quarantine_records),
+             len(report.temp_files), " (dry run)" if dry_run else "")
     return report

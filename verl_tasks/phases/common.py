@@ -22,8 +22,11 @@ from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import WEIGHTS, load_policy
+from verl_tasks.ops.safe_mode import read_safe_mode
+from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
+from verl_tasks.store.conventions import check_not_pruned
 from verl_tasks.store.units import CommitRecord, UnitWriter, download, quarantine, read_marker
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,7 @@ def set_determinism(config: ExperimentConfig) -> None:
 
 
 def check_not_halted(ctx: PhaseContext) -> None:
-    if ctx.store.exists(ctx.layout.safe_mode):
+    if read_safe_mode(ctx.store, ctx.layout) is not None:
         raise SafeMode(
             f"experiment {ctx.config.experiment!r} is in safe mode ({ctx.layout.safe_mode}); inspect with "
             f"`verl-tasks status`, fix the cause, then run `verl-tasks resume --experiment {ctx.config.experiment}`"
@@ -128,14 +131,15 @@ def policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
     """A local folder holding policy ``version`` (snapshot files verified against the manifest).
 
     Raises:
+        SnapshotPruned: retention deleted the snapshot's weights; it is unavailable, not
+            corrupt, so nothing is quarantined and ``latest.json`` stays.
         PhaseFailed: the snapshot is not committed, or it failed verification; in the
-            latter case it was quarantined (``ops.fallback``) and the next run recomputes it.
+            latter case it was quarantined (``phases.fallback``) and the next run recomputes it.
     """
+    check_not_pruned(ctx.store, ctx.layout, version)
     try:
         return _policy_folder(ctx, version)
     except IntegrityError as err:
-        from verl_tasks.ops.fallback import fall_back
-
         info = fall_back(ctx, version, err.problems)
         raise PhaseFailed(
             err.unit,

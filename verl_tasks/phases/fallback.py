@@ -7,17 +7,18 @@ from is quarantined too when its own weights are bad or were pruned, and
 ``latest.json`` goes back to the previous valid snapshot. Every input of the
 lost units is still committed, so the next run recomputes them and, being
 deterministic, produces the same bytes.
+
+A snapshot pruned by retention is not corrupt: readers raise ``SnapshotPruned``
+before they get here, and nothing in this module treats a pruned one as bad.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from verl_tasks.errors import IntegrityError
 from verl_tasks.events import record_event
-from verl_tasks.models.checkpoint import WEIGHTS
-from verl_tasks.store.base import NotFound
+from verl_tasks.store.conventions import WEIGHTS, check_not_pruned, latest_version, snapshot_versions, write_latest
 from verl_tasks.store.units import PRUNED, is_pruned, quarantine, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,12 @@ def fall_back(ctx, version: int, problems: list[str]) -> dict[str, Any]:
 
     Returns the ``fallback`` event's fields. Snapshot 0 (the base) is quarantined
     too; it is rebuilt by ``prepare`` on the next run.
-    """
-    from verl_tasks.phases.snapshot import write_latest
 
+    Raises:
+        SnapshotPruned: ``version`` was pruned by retention; nothing is quarantined.
+    """
     layout, store = ctx.layout, ctx.store
+    check_not_pruned(store, layout, version)  # retention's work, not corruption: never quarantined
     snap = layout.snapshot(version)
     reason = f"snapshot {version} failed verification: " + "; ".join(problems)
     quarantined = []
@@ -62,13 +65,9 @@ def fall_back(ctx, version: int, problems: list[str]) -> dict[str, Any]:
             store.delete(f"{update_unit}/{PRUNED}")
             quarantined.append(update_unit)
     previous = newest_valid_version(ctx, version)
-    try:
-        pointer = json.loads(store.get(layout.latest))
-    except (NotFound, ValueError):
-        pointer = {}
-    if previous is not None and pointer.get("version", -1) >= version:
-        store.delete(layout.latest)
-        write_latest(ctx, previous, read_marker(store, layout.snapshot(previous)))
+    pointed = latest_version(store, layout)
+    if previous is not None and pointed is not None and pointed >= version:
+        write_latest(store, layout, previous, read_marker(store, layout.snapshot(previous)), allow_lower=True)
     fields = {"unit": snap, "version": version, "problems": problems, "quarantined": quarantined,
               "fell_back_to": previous}
     log.warning(
@@ -85,9 +84,8 @@ def check_resume_point(ctx) -> dict[str, Any] | None:
     """Verify the newest committed snapshot (the one a resume reads); fall back if it is corrupt.
 
     Loops until the newest snapshot verifies. Returns the last fallback's fields, or None.
+    A pruned newest snapshot is left alone: the phase that needs it raises ``SnapshotPruned``.
     """
-    from verl_tasks.ops.checkpoint import snapshot_versions
-
     result = None
     while True:
         versions = snapshot_versions(ctx.store, ctx.layout)

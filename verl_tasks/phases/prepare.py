@@ -127,10 +127,10 @@ def prepare(ctx: PhaseContext) -> CommitRecord:
 
 
 def _point_latest(ctx: PhaseContext, version: int, record: CommitRecord) -> None:
-    from verl_tasks.phases.snapshot import write_latest
+    from verl_tasks.store.conventions import write_latest
 
     if committed(ctx, ctx.layout.snapshot(version)) is not None and not ctx.store.exists(ctx.layout.latest):
-        write_latest(ctx, version, record)
+        write_latest(ctx.store, ctx.layout, version, record)
 
 
 def _pinned_rows(ctx: PhaseContext, split: str) -> list[dict[str, Any]]:

@@ -10,39 +10,23 @@ import json
 import logging
 from typing import Any
 
-from verl_tasks.models.checkpoint import WEIGHTS
 from verl_tasks.phases.common import PhaseContext, derive_seed, require, run_unit
-from verl_tasks.store.base import NotFound
+from verl_tasks.store.conventions import KEEP_WHEN_PRUNED, WEIGHTS, WRITTEN_BY_SNAPSHOT, write_latest
 from verl_tasks.store.units import PRUNED, CommitRecord, UnitWriter, is_committed, is_pruned, read_json, read_marker
 
 log = logging.getLogger(__name__)
-KEEP_WHEN_PRUNED = ("metrics.json", "trainer_state.json")
-
-
-def write_latest(ctx: PhaseContext, version: int, record: CommitRecord) -> None:
-    """Point ``latest.json`` at ``version`` unless it already points at a newer one."""
-    try:
-        current = json.loads(ctx.store.get(ctx.layout.latest))
-        if current.get("version", -1) >= version:
-            return
-    except (NotFound, ValueError):
-        pass
-    body = {
-        "version": version,
-        "unit": record.unit,
-        "attempt": record.attempt,
-        "weights_sha256": record.files[WEIGHTS].sha256,
-        "uri": ctx.store.url(record.unit),
-    }
-    ctx.store.put(ctx.layout.latest, json.dumps(body, indent=1, sort_keys=True).encode())
 
 
 def prune(ctx: PhaseContext, unit: str, reason: str) -> bool:
-    """Delete a committed unit's weight files, keep its marker and small JSON files."""
+    """Delete a committed unit's weight files, keep its marker and small JSON files.
+
+    The ``_PRUNED`` flag records ``keep_snapshots`` so a later reader can say why the weights are gone.
+    """
     record = read_marker(ctx.store, unit)
     if record is None or is_pruned(ctx.store, unit):
         return False
-    ctx.store.put(f"{unit}/{PRUNED}", json.dumps({"reason": reason, "attempt": record.attempt}).encode())
+    flag = {"reason": reason, "attempt": record.attempt, "keep_snapshots": ctx.config.storage.keep_snapshots}
+    ctx.store.put(f"{unit}/{PRUNED}", json.dumps(flag).encode())
     for name in record.files:
         if name not in KEEP_WHEN_PRUNED and not name.endswith(".json"):
             ctx.store.delete(record.key(name))
@@ -68,7 +52,7 @@ def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
     def produce(writer: UnitWriter) -> dict[str, Any]:
         update_rec = require(ctx, ctx.layout.update(epoch), "update")
         for name in sorted(update_rec.files):
-            if name not in ("trainer_state.json", "metrics.json"):
+            if name not in WRITTEN_BY_SNAPSHOT:
                 writer.copy_from(update_rec, name)
         metrics = read_json(ctx.store, update_rec, "metrics.json")
         state = read_json(ctx.store, update_rec, "trainer_state.json")
@@ -89,6 +73,6 @@ def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
         return {"version": version, "weights_sha256": update_rec.files[WEIGHTS].sha256, "metrics": metrics}
 
     record = run_unit(ctx, "snapshot", ctx.layout.snapshot(version), epoch, produce)
-    write_latest(ctx, version, record)
+    write_latest(ctx.store, ctx.layout, version, record)
     apply_retention(ctx, version)
     return record

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from verl_tasks.store.base import NotFound, ObjectStore, check_key
 from verl_tasks.store.local import LocalStore
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker
 
-__all__ = ["NotFound", "ObjectStore", "LocalStore", "CommitRecord", "UnitWriter", "read_marker", "check_key", "open_store"]
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from verl_tasks.config import ExperimentConfig
+
+__all__ = ["NotFound", "ObjectStore", "LocalStore", "CommitRecord", "UnitWriter", "read_marker", "check_key",
+           "open_store", "store_for"]
 
 
 def open_store(
@@ -42,3 +47,10 @@ def open_store(
             credentials=credentials,
         )
     raise ValueError(f"unsupported store URI {uri!r}: use file://PATH or s3://BUCKET/PREFIX")
+
+
+def store_for(config: "ExperimentConfig", credentials: dict[str, str] | None = None) -> ObjectStore:
+    """The store an experiment's ``storage`` section names (credentials from an Airflow connection, if given)."""
+    s = config.storage
+    return open_store(s.uri, endpoint_url=s.endpoint_url, region=s.region, sse=s.sse,
+                      sse_kms_key_id=s.sse_kms_key_id, credentials=credentials)

@@ -62,6 +62,14 @@ class ObjectStore(abc.ABC):
         """Every key under ``prefix`` (recursive), sorted."""
 
     @abc.abstractmethod
+    def list_modified(self, prefix: str) -> dict[str, float]:
+        """Every key under ``prefix`` -> its last write (epoch seconds); how ``gc`` tells a live attempt from a dead one."""
+
+    def temp_files(self, prefix: str) -> dict[str, float]:
+        """Half-written temp files under ``prefix`` -> last write; none for stores that write in place."""
+        return {}
+
+    @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 from verl_tasks.errors import StoreError
@@ -14,7 +14,9 @@ from verl_tasks.store.base import NotFound, ObjectStore, check_key
 class LocalStore(ObjectStore):
     """Files under ``root``. Writes go to a temp file in the same folder and are
     renamed (or hard-linked, for put-if-absent) into place, so a reader or a
-    crash never sees half a file under its final name."""
+    crash never sees half a file under its final name; the folder is fsynced
+    after, so a committed marker survives a power loss. Files and folders get
+    the usual modes under the umask (group-readable on a shared volume)."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
@@ -23,9 +25,22 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
+    def _makedirs(self, folder: Path) -> None:
+        """Create ``folder`` and missing parents, fsyncing each new entry's parent."""
+        if folder.is_dir():
+            return
+        self._makedirs(folder.parent)
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            return
+        _fsync_dir(folder.parent)
+
     def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None) -> Path:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        self._makedirs(target.parent)
+        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        # 0o666 under the umask (mkstemp would make it 0600, unreadable to the group).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as handle:
                 if source is not None:
@@ -48,16 +63,19 @@ class LocalStore(ObjectStore):
     def put(self, key: str, data: bytes) -> None:
         target = self._path(key)
         os.replace(self._write_temp(target, data), target)
+        _fsync_dir(target.parent)
 
     def put_file(self, key: str, path: Path) -> None:
         target = self._path(key)
         os.replace(self._write_temp(target, source=Path(path)), target)
+        _fsync_dir(target.parent)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         target = self._path(key)
         tmp = self._write_temp(target, data)
         try:
             os.link(tmp, target)
+            _fsync_dir(target.parent)
             return True
         except FileExistsError:
             return False
@@ -85,21 +103,38 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             raise NotFound(key) from None
 
-    def list(self, prefix: str) -> list[str]:
+    def _walk(self, prefix: str, temp: bool) -> list[Path]:
+        """Files under ``prefix``: the committed-or-attempt files, or (``temp``) only the ``.tmp-`` ones."""
         base = self.root / prefix if prefix else self.root
         if prefix:
             check_key(prefix.rstrip("/") or ".")
         if base.is_file():
-            return [prefix]
-        if not base.is_dir():
-            return []
+            return [] if temp else [base]
         out = []
         for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                if name.startswith(".tmp-"):
-                    continue
-                out.append(Path(dirpath, name).relative_to(self.root).as_posix())
-        return sorted(out)
+            out.extend(Path(dirpath, name) for name in files if name.startswith(".tmp-") == temp)
+        return out
+
+    def _key_of(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(self._key_of(p) for p in self._walk(prefix, temp=False))
+
+    def _mtimes(self, paths: list[Path]) -> dict[str, float]:
+        out = {}
+        for path in paths:
+            try:
+                out[self._key_of(path)] = path.stat().st_mtime
+            except FileNotFoundError:  # renamed or deleted since the walk
+                continue
+        return out
+
+    def list_modified(self, prefix: str) -> dict[str, float]:
+        return self._mtimes(self._walk(prefix, temp=False))
+
+    def temp_files(self, prefix: str) -> dict[str, float]:
+        return self._mtimes(self._walk(prefix, temp=True))
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -117,3 +152,15 @@ class LocalStore(ObjectStore):
         if not source.is_file():
             raise NotFound(src)
         self.put_file(dst, source)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename, link or new entry in ``folder`` durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as err:  # some network and FUSE filesystems cannot fsync a folder
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)

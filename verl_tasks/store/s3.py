@@ -5,13 +5,15 @@ chain (environment, instance role); this class never logs them.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
 from verl_tasks.errors import StoreError
 from verl_tasks.store.base import NotFound, ObjectStore, check_key
@@ -21,6 +23,39 @@ _EXISTS = {"PreconditionFailed", "412"}
 # S3 answers 409 ConditionalRequestConflict when two conditional writes race; the
 # loser must read the winner's marker, so it is treated like "already exists".
 _RACE = {"ConditionalRequestConflict", "409"}
+# Wrong or missing permission: retrying cannot help, a person must fix credentials or the bucket policy.
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+           "AllAccessDisabled", "AccountProblem", "403", "Forbidden"}
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _explained(method: _Method) -> _Method:
+    """Turn missing credentials and 403s into one StoreError line naming the object, the problem and the fix."""
+
+    @functools.wraps(method)
+    def wrapper(self: "S3Store", *args: Any, **kwargs: Any) -> Any:
+        key = args[0] if args and isinstance(args[0], str) else ""
+        try:
+            return method(self, *args, **kwargs)
+        except (NoCredentialsError, PartialCredentialsError) as err:
+            raise StoreError(
+                f"no usable AWS credentials to reach {self.url(key)} ({err}): set storage.aws_conn_id to an Airflow "
+                f"connection that holds them, or export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or use an "
+                f"instance role)"
+            ) from None
+        except (ClientError, S3UploadFailedError) as err:
+            client_err = err if isinstance(err, ClientError) else err.__context__
+            code = S3Store._code(client_err) if isinstance(client_err, ClientError) else ""
+            if code not in _DENIED:
+                raise
+            raise StoreError(
+                f"S3 refused access to {self.url(key)} ({code}): check the credentials (storage.aws_conn_id or "
+                f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and that the policy of bucket {self.bucket} lets them "
+                f"get, put, delete and list objects under {self.uri}"
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 class S3Store(ObjectStore):
@@ -71,9 +106,11 @@ class S3Store(ObjectStore):
     def _code(err: ClientError) -> str:
         return str(err.response.get("Error", {}).get("Code", ""))
 
+    @_explained
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **self.sse_args)
 
+    @_explained
     def put_if_absent(self, key: str, data: bytes) -> bool:
         try:
             self.client.put_object(
@@ -83,13 +120,17 @@ class S3Store(ObjectStore):
         except ClientError as err:
             if self._code(err) in _EXISTS or self._code(err) in _RACE:
                 return False
+            if self._code(err) in _DENIED:
+                raise
             raise StoreError(f"conditional write of {key} failed: {self._code(err)}") from err
 
+    @_explained
     def put_file(self, key: str, path: Path) -> None:
         self.client.upload_file(
             str(path), self.bucket, self._key(key), ExtraArgs=dict(self.sse_args) or None, Config=self.transfer
         )
 
+    @_explained
     def get(self, key: str) -> bytes:
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
@@ -98,6 +139,7 @@ class S3Store(ObjectStore):
                 raise NotFound(key) from None
             raise
 
+    @_explained
     def get_file(self, key: str, path: Path) -> None:
         try:
             self.client.download_file(self.bucket, self._key(key), str(path), Config=self.transfer)
@@ -114,19 +156,23 @@ class S3Store(ObjectStore):
                 return None
             raise
 
+    @_explained
     def exists(self, key: str) -> bool:
         return self._head(key) is not None
 
+    @_explained
     def size(self, key: str) -> int:
         head = self._head(key)
         if head is None:
             raise NotFound(key)
         return int(head["ContentLength"])
 
+    @_explained
     def head(self, key: str) -> dict | None:
         """Object metadata (used to check server-side encryption)."""
         return self._head(key)
 
+    @_explained
     def list(self, prefix: str) -> list[str]:
         full = self._key(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         paginator = self.client.get_paginator("list_objects_v2")
@@ -135,9 +181,18 @@ class S3Store(ObjectStore):
             keys.extend(self._strip(item["Key"]) for item in page.get("Contents", []))
         return sorted(keys)
 
+    @_explained
+    def list_modified(self, prefix: str) -> dict[str, float]:
+        full = self._key(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        paginator = self.client.get_paginator("list_objects_v2")
+        return {self._strip(item["Key"]): item["LastModified"].timestamp()
+                for page in paginator.paginate(Bucket=self.bucket, Prefix=full) for item in page.get("Contents", [])}
+
+    @_explained
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
+    @_explained
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
         for start in range(0, len(keys), 1000):
@@ -145,6 +200,7 @@ class S3Store(ObjectStore):
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
         return len(keys)
 
+    @_explained
     def copy(self, src: str, dst: str) -> None:
         try:
             self.client.copy(

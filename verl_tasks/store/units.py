@@ -12,6 +12,7 @@ marker, the loser deletes its folder and returns the winner's record.
 """
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import logging
@@ -21,7 +22,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from verl_tasks.errors import IntegrityError, StoreError
 from verl_tasks.store.base import NotFound, ObjectStore
@@ -38,6 +39,14 @@ FORMAT_VERSION = 1
 
 def new_attempt_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:10]
+
+
+def stamp_time(name: str) -> float | None:
+    """Epoch seconds of a ``YYYYmmddTHHMMSS...`` attempt id or stamp, or None."""
+    try:
+        return float(calendar.timegm(time.strptime(name[:15], "%Y%m%dT%H%M%S")))
+    except ValueError:
+        return None
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -147,10 +156,33 @@ class UnitWriter:
         self.store.copy(record.key(name), self._attempt_key(target))
         self.files[target] = record.files[name]
 
+    def _missing_files(self) -> list[str]:
+        """Listed files that are gone or changed size since written (e.g. removed by a racing ``gc``)."""
+        missing = []
+        for name, entry in sorted(self.files.items()):
+            try:
+                size = self.store.size(self._attempt_key(name))
+            except NotFound:
+                missing.append(f"{name}: missing")
+                continue
+            if size != entry.size:
+                missing.append(f"{name}: {size} bytes, written {entry.size}")
+        return missing
+
     def commit(self, meta: dict[str, Any] | None = None) -> tuple[CommitRecord, bool]:
-        """Create the marker if absent. Returns (record, won); a loser gets the winner's record."""
+        """Create the marker if absent. Returns (record, won); a loser gets the winner's record.
+
+        Raises:
+            StoreError: a listed file of this attempt is gone, so a marker would point at nothing.
+        """
+        missing = self._missing_files()
+        if missing and read_marker(self.store, self.unit) is None:
+            raise StoreError(
+                f"{self.unit}: attempt {self.attempt} lost files before commit ({'; '.join(missing)}); "
+                f"nothing was committed: rerun the task (was `verl-tasks gc` run with a short --older-than?)"
+            )
         record = CommitRecord(self.unit, self.attempt, dict(self.files), dict(meta or {}), time.time())
-        if self.store.put_if_absent(f"{self.unit}/{MARKER}", record.to_json()):
+        if not missing and self.store.put_if_absent(f"{self.unit}/{MARKER}", record.to_json()):
             return record, True
         winner = read_marker(self.store, self.unit)
         if winner is None:  # pragma: no cover - a marker cannot vanish between the two calls
@@ -236,11 +268,23 @@ def quarantine(store: ObjectStore, unit: str, reason: str) -> str | None:
     return key
 
 
-def garbage_attempts(store: ObjectStore, prefix: str) -> list[str]:
-    """Attempt folders under ``prefix`` that no marker names (losers, crashed attempts)."""
-    keys = store.list(prefix)
+IDLE_MARGIN_S = 3600.0
+
+
+def garbage_attempts(store: ObjectStore, prefix: str, *, now: float | None = None,
+                     idle_limit: Callable[[str], float] = lambda unit: IDLE_MARGIN_S) -> list[str]:
+    """Attempt folders under ``prefix`` that can never be committed, or whose writer is surely dead.
+
+    A folder no marker names is garbage when its unit has a marker naming
+    another attempt (a loser), or when no file in it was written for
+    ``idle_limit(unit)`` seconds (a crashed attempt). A young attempt of an
+    uncommitted unit may still be running: it is kept, whatever its age.
+    """
+    now = time.time() if now is None else now
+    modified = store.list_modified(prefix)
     markers: dict[str, str | None] = {}
-    for key in keys:
+    newest: dict[tuple[str, str], float] = {}
+    for key, mtime in modified.items():
         if key.endswith("/" + MARKER):
             unit = key[: -len(MARKER) - 1]
             try:
@@ -248,13 +292,15 @@ def garbage_attempts(store: ObjectStore, prefix: str) -> list[str]:
                 markers[unit] = rec.attempt if rec else None
             except IntegrityError:
                 markers[unit] = None
-    garbage: set[str] = set()
-    for key in keys:
-        marker_at = key.find(f"/{ATTEMPTS}/")
-        if marker_at < 0:
+        at = key.find(f"/{ATTEMPTS}/")
+        if at >= 0:
+            folder = (key[:at], key[at + len(ATTEMPTS) + 2 :].split("/", 1)[0])
+            newest[folder] = max(newest.get(folder, mtime), mtime)
+    garbage = []
+    for (unit, attempt), mtime in newest.items():
+        named = markers.get(unit)
+        if named == attempt:
             continue
-        unit = key[:marker_at]
-        attempt = key[marker_at + len(ATTEMPTS) + 2 :].split("/", 1)[0]
-        if markers.get(unit) != attempt:
-            garbage.add(f"{unit}/{ATTEMPTS}/{attempt}/")
+        if named is not None or now - mtime > idle_limit(unit):
+            garbage.append(f"{unit}/{ATTEMPTS}/{attempt}/")
     return sorted(garbage)

@@ -1,0 +1,118 @@
+"""The store's conventions beyond one unit, in one torch-free place.
+
+What the phases, the runner, the ops commands, lineage and the Airflow
+operators agree on: the snapshot file names and which of them each copy takes,
+the ``latest.json`` pointer (which only moves forward), retention's ``_PRUNED``
+flag (a pruned snapshot is unavailable, not corrupt) and quarantine records.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from verl_tasks.errors import SnapshotPruned
+from verl_tasks.layout import Layout
+from verl_tasks.store.base import NotFound, ObjectStore
+from verl_tasks.store.units import MARKER, PRUNED, QUARANTINE, CommitRecord, stamp_time
+
+WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+TRAINER_STATE = "trainer_state.json"
+METRICS = "metrics.json"
+# An update unit's files the snapshot writes itself instead of copying.
+WRITTEN_BY_SNAPSHOT = (TRAINER_STATE, METRICS)
+# A child's base snapshot starts a fresh optimizer and its own state, so these stay with the parent.
+NOT_COPIED = (OPTIMIZER, TRAINER_STATE, METRICS)
+# Retention keeps these (and every other .json file) of a pruned unit.
+KEEP_WHEN_PRUNED = (METRICS, TRAINER_STATE)
+# Left out of an HF export.
+TRAINING_ONLY = (OPTIMIZER, TRAINER_STATE)
+
+
+def read_latest(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
+    """The ``latest.json`` pointer (``version``, ``unit``, ``attempt``, ``weights_sha256``, ``uri``), or None."""
+    try:
+        body = json.loads(store.get(layout.latest))
+        int(body["version"])
+        return body
+    except (NotFound, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_version(store: ObjectStore, layout: Layout) -> int | None:
+    pointer = read_latest(store, layout)
+    return int(pointer["version"]) if pointer else None
+
+
+def write_latest(store: ObjectStore, layout: Layout, version: int, record: CommitRecord,
+                 *, allow_lower: bool = False) -> bool:
+    """Point ``latest.json`` at ``version``; returns False (and writes nothing) when it points at one as new.
+
+    Only rollback and the fallback from a corrupt snapshot pass ``allow_lower``:
+    they remove the newer snapshots, so the pointer must follow them back.
+    """
+    current = latest_version(store, layout)
+    if current is not None and current >= version and not allow_lower:
+        return False
+    body = {"version": version, "unit": record.unit, "attempt": record.attempt,
+            "weights_sha256": record.files[WEIGHTS].sha256, "uri": store.url(record.unit)}
+    store.put(layout.latest, json.dumps(body, indent=1, sort_keys=True).encode())
+    return True
+
+
+def snapshot_versions(store: ObjectStore, layout: Layout) -> list[int]:
+    """Versions with a committed marker, ascending."""
+    versions = {layout.snapshot_version(k) for k in store.list(layout.snapshots + "/") if k.endswith("/" + MARKER)}
+    return sorted(v for v in versions if v is not None)
+
+
+def newest_kept(store: ObjectStore, layout: Layout) -> int | None:
+    """The newest committed snapshot whose weights retention kept."""
+    keys = set(store.list(layout.snapshots + "/"))
+    kept = [layout.snapshot_version(k) for k in keys
+            if k.endswith("/" + MARKER) and k[: -len(MARKER)] + PRUNED not in keys]
+    return max((v for v in kept if v is not None), default=None)
+
+
+def pruned_flag(store: ObjectStore, unit: str) -> dict[str, Any] | None:
+    """Retention's ``_PRUNED`` record of ``unit`` (``reason``, ``attempt``, ``keep_snapshots``), or None."""
+    try:
+        data = store.get(f"{unit}/{PRUNED}")
+    except NotFound:
+        return None
+    try:
+        return dict(json.loads(data))
+    except (ValueError, TypeError):
+        return {}
+
+
+def check_not_pruned(store: ObjectStore, layout: Layout, version: int) -> None:
+    """Raise SnapshotPruned when retention deleted snapshot ``version``'s weights."""
+    flag = pruned_flag(store, layout.snapshot(version))
+    if flag is not None:
+        keep = flag.get("keep_snapshots")
+        raise SnapshotPruned(layout.experiment, version, keep if isinstance(keep, int) else None,
+                             newest_kept(store, layout))
+
+
+def quarantine_records(store: ObjectStore, keys: list[str] | set[str]) -> list[dict[str, Any]]:
+    """Each ``<unit>/.quarantine/<stamp>.json`` among ``keys``: unit, record key, reason, attempt, created, recovered.
+
+    ``recovered`` says whether the unit has been committed again since (its marker is among ``keys``).
+    """
+    present = set(keys)
+    out = []
+    for key in sorted(present):
+        at = key.find(f"/{QUARANTINE}/")
+        if at < 0:
+            continue
+        unit = key[:at]
+        try:
+            body = json.loads(store.get(key))
+            reason, marker = str(body.get("reason", "")), json.loads(body.get("marker", ""))
+            attempt = marker.get("attempt") if isinstance(marker, dict) else None
+        except (NotFound, ValueError, TypeError, AttributeError):
+            reason, attempt = "", None
+        out.append({"unit": unit, "record": key, "reason": reason, "attempt": attempt,
+                    "created": stamp_time(key.rsplit("/", 1)[-1]), "recovered": f"{unit}/{MARKER}" in present})
+    return out
