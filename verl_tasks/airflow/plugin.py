@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 PREFIX = "/verl-tasks"
 EVENTS_SHOWN = 15
@@ -133,17 +135,24 @@ def _section(path: Path, experiment: str | None) -> str:
         return f"<p class=alert>{html.escape(path.name)}: {html.escape(type(err).__name__ + ': ' + str(err))}</p>"
 
 
-def create_app():
-    """The dashboard app. Every request is authenticated by Airflow's own dependency (bearer header or
-    the UI's ``_token`` cookie): the plugin's mount is not behind Airflow's auth otherwise."""
+async def airflow_user(request: Request,
+                       credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))):
+    """The caller as Airflow's own ``get_user`` resolves it (bearer header, else the UI's ``_token`` cookie;
+    401/403 otherwise). Imported per request: the module costs every plugin-loading process ~1.5 s."""
     from airflow.api_fastapi.core_api.security import get_user
-    from fastapi import Depends, FastAPI, HTTPException, Query
+
+    return await get_user(request, _oauth_token=None, bearer_credentials=credentials)
+
+
+def create_app():
+    """The dashboard app; every request is authenticated (a plugin's mount is not behind Airflow's auth)."""
+    from fastapi import FastAPI, HTTPException, Query
     from fastapi.responses import HTMLResponse
 
     app = FastAPI(title="verl-tasks dashboard")
 
     @app.get("/", response_class=HTMLResponse)
-    def dashboard(user=Depends(get_user), experiment: str | None = Query(None), dag: str | None = Query(None)) -> str:
+    def dashboard(user=Depends(airflow_user), experiment: str | None = Query(None), dag: str | None = Query(None)) -> str:
         yamls = experiment_yamls()
         readable = readable_dag_ids(user, set(yamls))
         if dag is not None and dag not in readable:
