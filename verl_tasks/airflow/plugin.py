@@ -122,7 +122,7 @@ def _section(path: Path, experiment: str | None) -> str:
     """One experiment's block; a broken YAML or store shows its error instead of hiding the others."""
     from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
     from verl_tasks.config import parse_config
-    from verl_tasks.runner import store_for
+    from verl_tasks.store import store_for
 
     try:
         raw = read_yaml(path)
