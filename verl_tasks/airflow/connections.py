@@ -2,7 +2,9 @@
 except into the store / Ray client objects (never into XCom, task logs or trigger arguments).
 
 * S3: an AWS-type connection (``aws_conn_id``): login = access key id, password = secret key,
-  extras ``endpoint_url`` (MinIO, moto), ``region_name``, ``aws_session_token``.
+  extras ``endpoint_url`` (MinIO, moto), ``region_name``, ``aws_session_token``. Its keys serve
+  the Airflow side only (marker checks, inline runs); they are never sent to Ray, whose nodes
+  reach storage with their own credential chain (a Ray job's environment is public to token holders).
 * Ray: a connection (``ray_default``) whose host/port are the dashboard's; schema ``https``
   switches the scheme; the password, when set, is the Ray auth token. Without the connection
   the environment is used (``VERL_TASKS_RAY_ADDRESS`` / ``RAY_ADDRESS``, ``RAY_AUTH_TOKEN[_PATH]``).
@@ -72,10 +74,3 @@ def ray_target(ray_conn_id: str | None = "ray_default") -> RayTarget:
     address = normalise_address(f"{host}:{conn.port}" if conn.port else host)
     token = conn.password or read_token((conn.extra_dejson or {}).get("token_file"))
     return RayTarget(address, token)
-
-
-def credential_env(access: S3Access) -> dict[str, str]:
-    """S3 credentials as the AWS environment variables of a Ray job (the job's own env only)."""
-    names = {"aws_access_key_id": "AWS_ACCESS_KEY_ID", "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
-             "aws_session_token": "AWS_SESSION_TOKEN"}
-    return {names[k]: v for k, v in (access.credentials or {}).items()}

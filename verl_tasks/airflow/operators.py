@@ -5,8 +5,15 @@
 1. the unit's ``_SUCCESS`` marker exists -> return its summary at once (Clear is safe);
 2. ``backend="ray"``: submit through :class:`RayJobBackend` (attaching to a live job of the
    unit if there is one) and defer to :class:`RayJobTrigger`; ``execute_complete`` raises
-   :class:`JobFailed` with the job id and log tail, else reads the marker;
+   the job's typed error (rebuilt from its result line, the job id and log tail as its
+   cause) or :class:`JobFailed`, else reads the marker;
 3. ``backend="inline"``: run the phase in the worker (tests, ``airflow dags test``).
+
+A deterministic error (bad config or input, a failed quality gate, safe mode; see
+:mod:`verl_tasks.execution.outcome`) fails the task at once with ``AirflowFailException``
+naming the unit: retrying cannot help. Other errors are retried by Airflow.
+S3 keys of the Airflow connection serve the Airflow side only (the marker check);
+Ray jobs reach storage with the Ray nodes' own credentials.
 
 XCom gets ``{"unit", "attempt", "metrics"}`` only: keys and small numbers, no credentials.
 """
@@ -14,17 +21,20 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from verl_tasks.airflow import runconfig
-from verl_tasks.airflow.connections import credential_env, s3_access
+from verl_tasks.airflow.connections import s3_access
 from verl_tasks.errors import ConfigError, JobFailed, PhaseFailed, SafeMode
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.inline import record_summary
+from verl_tasks.execution.outcome import describe, error_from_result, is_deterministic
 from verl_tasks.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -133,7 +143,8 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         backend: ``ray`` (default, env ``VERL_TASKS_BACKEND``) or ``inline``.
         ray_conn_id: connection holding the Ray dashboard address and token.
         aws_conn_id: AWS connection for S3 (the YAML's ``storage.aws_conn_id`` wins).
-        forward_credentials: pass the connection's S3 keys to the Ray job's environment.
+        ray_retry_s: how long transient Ray dashboard errors are retried (submit, status,
+            the trigger's polls); default ``VERL_TASKS_RAY_RETRY_S`` or 120.
         snapshot_asset: for the snapshot task, the Asset whose event announces the new snapshot.
     """
 
@@ -142,7 +153,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
 
     def __init__(self, *, config_path: str, phase: str, epoch: int, batch: int | None = None,
                  backend: str | None = None, ray_conn_id: str | None = "ray_default",
-                 aws_conn_id: str | None = None, forward_credentials: bool = True, poll_interval: float = 0.5,
+                 aws_conn_id: str | None = None, ray_retry_s: float | None = None, poll_interval: float = 0.5,
                  snapshot_asset: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.config_path = str(config_path)
@@ -154,7 +165,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             raise ConfigError(f"backend {self.backend!r}; use one of {BACKENDS}")
         self.ray_conn_id = ray_conn_id
         self.aws_conn_id = aws_conn_id
-        self.forward_credentials = forward_credentials
+        self.ray_retry_s = ray_retry_s
         self.poll_interval = poll_interval
         self.snapshot_asset = snapshot_asset
         self._job_id: str | None = None
@@ -168,7 +179,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         from verl_tasks.airflow.connections import ray_target
         from verl_tasks.execution.ray_jobs import RayJobBackend
 
-        return RayJobBackend(ray_target(self.ray_conn_id))
+        return RayJobBackend(ray_target(self.ray_conn_id), retry_s=self.ray_retry_s)
 
     def _skip_reason(self, cfg) -> str | None:
         if self.epoch >= cfg.epochs:
@@ -219,9 +230,10 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             from verl_tasks.execution.inline import InlineBackend
 
             maybe_fail_once(fault.get("VERL_TASKS_FAIL_ONCE"))
-            record = InlineBackend().run(cfg, spec, access.credentials)
+            with fail_fast(unit):
+                record = InlineBackend().run(cfg, spec, access.credentials)
             return self._finish(context, cfg, store, record)
-        env = {**(credential_env(access) if self.forward_credentials else {}), **fault}
+        env = fault
         handle = self.ray.submit(cfg, spec, env=env)
         if handle.status == "SUCCEEDED":
             record = read_marker(store, unit)
@@ -234,7 +246,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         from verl_tasks.airflow.triggers import RayJobTrigger
 
         self.defer(
-            trigger=RayJobTrigger(handle.submission_id, self.ray_conn_id, self.poll_interval),
+            trigger=RayJobTrigger(handle.submission_id, self.ray_conn_id, self.poll_interval, self.ray.retry_s),
             method_name="execute_complete",
             kwargs={"submission_id": handle.submission_id},
             timeout=self.execution_timeout,
@@ -247,7 +259,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         event = event or {}
         job_id = event.get("submission_id") or submission_id or "?"
         if event.get("status") != "SUCCEEDED":
-            raise JobFailed(job_id, str(event.get("status", "unknown event")), event.get("log_tail", ""))
+            raise_job_error(job_id, event)
         cfg, access = self.resolve(context)
         store = self.store(cfg, access)
         unit = Layout(cfg.experiment).unit(self.phase, self.epoch, self.batch)
@@ -261,3 +273,36 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         if self._job_id and self.backend == "ray":
             self.log.info("stopping Ray job %s", self._job_id)
             self.ray.stop(self._job_id)
+
+
+@contextmanager
+def fail_fast(unit: str) -> Iterator[None]:
+    """Turn a deterministic error into ``AirflowFailException`` (no retries; the typed error is its cause)."""
+    try:
+        yield
+    except Exception as err:
+        if is_deterministic(err):
+            raise AirflowFailException(f"{unit}: {type(err).__name__}: {err} (not retried: it fails the same way "
+                                       "until the cause is fixed)") from err
+        raise
+
+
+def raise_job_error(job_id: str, event: dict[str, Any]) -> None:
+    """Raise the failed job's typed error, its cause a :class:`JobFailed` with the log tail.
+
+    Raises:
+        AirflowFailException: the job's error is deterministic (see :func:`fail_fast`).
+        VerlTasksError: the job's typed error, for Airflow to retry.
+        JobFailed: the job named no error class of :mod:`verl_tasks.errors` (killed, unreachable, ...).
+    """
+    status = str(event.get("status", "unknown event"))
+    failed = JobFailed(job_id, f"{status} ({event['error']})" if event.get("error") else status,
+                       event.get("log_tail", ""))
+    result = event.get("result")
+    typed = error_from_result(result)
+    if typed is None:
+        if result:
+            log.info("Ray job %s failed with %s", job_id, describe(result))
+        raise failed
+    with fail_fast(f"{result.get('unit') or job_id} (Ray job {job_id})"):
+        raise typed from failed

@@ -2,9 +2,11 @@
 
     python -m verl_tasks.execution.entry --config-b64 B64 --phase rollout --epoch 3 --batch 7
 
-Exit 0 after the unit is committed (or was already); exit 1 with the error on
-the last line otherwise. S3 credentials come from the standard AWS environment
-variables of the job, never from the command line.
+Exit 0 after the unit is committed (or was already); exit 1 otherwise, the last
+line then naming the unit and the error's class, module and message (see
+:mod:`verl_tasks.execution.outcome`). S3 access comes from the Ray node's own
+credential chain (environment, instance role, credentials file): verl-tasks never
+sends keys to a job.
 
 Fault injection for tests: when ``VERL_TASKS_FAIL_ONCE`` names a file that does
 not exist yet, the job creates it and fails before doing any work; the next
@@ -24,6 +26,8 @@ from pathlib import Path
 from verl_tasks.config import parse_config
 from verl_tasks.phase_registry import PHASE_NAMES
 from verl_tasks.execution import UnitSpec
+from verl_tasks.execution.outcome import failure_result
+from verl_tasks.layout import Layout
 
 log = logging.getLogger("verl_tasks.execution.entry")
 FAIL_ONCE_ENV = "VERL_TASKS_FAIL_ONCE"
@@ -55,13 +59,6 @@ def maybe_fail_once(flag: str | None) -> None:
     raise InjectedFault(f"injected fault ({FAIL_ONCE_ENV}={flag}); the next attempt will run normally")
 
 
-def _credentials_from_env() -> dict[str, str] | None:
-    keys = {"aws_access_key_id": "AWS_ACCESS_KEY_ID", "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
-            "aws_session_token": "AWS_SESSION_TOKEN"}
-    found = {k: os.environ[v] for k, v in keys.items() if os.environ.get(v)}
-    return found or None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl_tasks.execution.entry")
     parser.add_argument("--config-b64", required=True)
@@ -76,34 +73,37 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("botocore", "urllib3", "s3transfer", "great_expectations", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     started = time.monotonic()
+    unit = UnitSpec("?", args.phase, args.epoch, args.batch).label
     try:
         config_json = decode_config(args.config_b64)
         config = parse_config(config_json)
+        unit = Layout(config.experiment).unit(args.phase, args.epoch, args.batch)
         maybe_fail_once(os.environ.get(FAIL_ONCE_ENV))
         if args.resident:
             from verl_tasks.execution.resident import run_on_resident_worker
 
-            result = run_on_resident_worker(config_json, args.phase, args.epoch, args.batch,
-                                            _credentials_from_env(), args.slots)
+            result = run_on_resident_worker(config_json, args.phase, args.epoch, args.batch, args.slots)
             for line in result.pop("log", []):
                 sys.stderr.write(line + "\n")
             if not result.get("ok"):
-                raise RuntimeError(result.get("error", "unit failed on the resident worker"))
+                return _report({**result, "unit": unit})
             summary = {k: v for k, v in result.items() if k != "ok"}
         else:
             from verl_tasks.execution.inline import InlineBackend, record_summary
 
             spec = UnitSpec(config.experiment, args.phase, args.epoch, args.batch)
-            summary = record_summary(InlineBackend().run(config, spec, _credentials_from_env()))
+            summary = record_summary(InlineBackend().run(config, spec))
     except Exception as err:  # noqa: BLE001 - reported as the job's last line, then a non-zero exit
-        log.exception("unit failed")
-        sys.stdout.write(json.dumps({"ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}) + "\n")
-        sys.stdout.flush()
-        return 1
-    summary = {"ok": True, **summary, "duration_s": round(time.monotonic() - started, 3)}
-    sys.stdout.write(json.dumps(summary, sort_keys=True, default=str) + "\n")
+        log.exception("unit %s failed", unit)
+        return _report(failure_result(err, unit))
+    return _report({"ok": True, **summary, "duration_s": round(time.monotonic() - started, 3)})
+
+
+def _report(result: dict) -> int:
+    """Print the result line (the job's last stdout line); the exit code follows ``ok``."""
+    sys.stdout.write(json.dumps(result, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
-    return 0
+    return 0 if result.get("ok") else 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ so an Airflow retry can find the jobs of its unit before it submits anything:
 Ray 2.60 turns token authentication on by default. :class:`RayTarget` carries
 the dashboard address and, when one is configured, the token, which is sent as
 an explicit ``Authorization: Bearer`` header. Nothing turns authentication off.
+
+A transient error of the dashboard (connection refused or reset, timeout, HTTP
+5xx) is retried with exponential backoff for ``retry_s`` seconds (default 120,
+``VERL_TASKS_RAY_RETRY_S``) before it is raised, so one blip does not fail a task.
+
+No secret goes into a job: its ``runtime_env``, entrypoint and metadata are shown
+by the Jobs API and the dashboard to anyone holding the Ray token. Jobs reach
+storage through the Ray nodes' own credential chain.
 """
 from __future__ import annotations
 
@@ -20,13 +28,15 @@ import logging
 import os
 import re
 import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.errors import VerlTasksError
+from verl_tasks.errors import ConfigError, VerlTasksError
 from verl_tasks.execution import UnitSpec
+from verl_tasks.secrets import is_secret_name
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +45,71 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 ADDRESS_ENVS = ("VERL_TASKS_RAY_ADDRESS", "RAY_ADDRESS")
 UNIT_META = "verl_tasks_unit"
 DUPLICATE_ID = "Please use a different submission_id"
-NO_AGENT = "No available agent to submit job"
+RETRY_ENV = "VERL_TASKS_RAY_RETRY_S"
+DEFAULT_RETRY_S = 120.0
+_HTTP_STATUS = re.compile(r"status code (\d{3})")
 
 
 class RayUnavailable(VerlTasksError):
     """No Ray address is configured, or the cluster refused or did not answer."""
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    import aiohttp
+    import requests
+
+    return (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout,
+            requests.exceptions.ChunkedEncodingError, aiohttp.ClientConnectionError)
+
+
+def _status_code(err: BaseException) -> int | None:
+    """The HTTP status of a failed dashboard request: Ray's RuntimeError text, requests' or aiohttp's error."""
+    match = _HTTP_STATUS.search(str(err)) if isinstance(err, RuntimeError) else None
+    if match:
+        return int(match.group(1))
+    status = getattr(getattr(err, "response", None), "status_code", None) or getattr(err, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def is_transient(err: BaseException) -> bool:
+    """A blip of the dashboard (refused, reset, timed out, HTTP 5xx), in ``err`` or any of its causes."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, _transient_types()) or (_status_code(seen) or 0) >= 500:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def default_retry_s() -> float:
+    return float(os.environ.get(RETRY_ENV, DEFAULT_RETRY_S))
+
+
+class Backoff:
+    """Exponential delays (0.5 s doubling to 15 s) until ``budget_s`` has passed since the first failure."""
+
+    def __init__(self, budget_s: float, first_s: float = 0.5, max_s: float = 15.0):
+        self.budget_s = budget_s
+        self.first_s = first_s
+        self.max_s = max_s
+        self.reset()
+
+    def reset(self) -> None:
+        """Called after a success: the next failure starts a new budget."""
+        self.failures = 0
+        self.since: float | None = None
+
+    def next_delay(self) -> float | None:
+        """Seconds to wait before the next try, or None when the budget is spent."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        left = self.since + self.budget_s - now
+        if left <= 0:
+            return None
+        delay = min(self.max_s, self.first_s * 2 ** self.failures, left)
+        self.failures += 1
+        return delay
 
 
 def submission_prefix(spec: UnitSpec) -> str:
@@ -116,7 +186,15 @@ class JobHandle:
 
 
 class RayJobBackend:
-    """Submit phase units as Ray jobs; one instance per target. Construction contacts the cluster.
+    """Submit phase units as Ray jobs; one instance per target. The first call contacts the cluster.
+
+    Args:
+        target: the dashboard address and token.
+        python: the interpreter the job runs (``VERL_TASKS_RAY_PYTHON``).
+        env: plain settings for every job's environment (never credentials: the Jobs API shows them).
+        resident: run units on warm detached actors (``VERL_TASKS_RESIDENT``, default on).
+        slots: resident workers that mapped phases spread over.
+        retry_s: how long transient dashboard errors are retried (0: raise at once).
 
     Example::
 
@@ -126,8 +204,9 @@ class RayJobBackend:
     """
 
     def __init__(self, target: RayTarget, *, python: str | None = None, env: dict[str, str] | None = None,
-                 resident: bool | None = None, slots: int | None = None):
+                 resident: bool | None = None, slots: int | None = None, retry_s: float | None = None):
         self.target = target
+        self.retry_s = default_retry_s() if retry_s is None else retry_s
         # Resident workers (warm detached actors) unless VERL_TASKS_RESIDENT=0: see execution/resident.py.
         self.resident = resident if resident is not None else os.environ.get("VERL_TASKS_RESIDENT", "1") != "0"
         self.slots = slots or int(os.environ.get("VERL_TASKS_RESIDENT_SLOTS", "1"))
@@ -155,7 +234,7 @@ class RayJobBackend:
         """Every job of the unit, oldest attempt first."""
         prefix = submission_prefix(spec)
         found = []
-        for job in self.client.list_jobs():
+        for job in self._retry("list_jobs", lambda: self.client.list_jobs()):
             number = attempt_number(spec, job.submission_id or "")
             if number is None:
                 continue
@@ -189,7 +268,7 @@ class RayJobBackend:
         Args:
             config: the resolved experiment config (sent to the job, base64 JSON).
             spec: the unit.
-            env: extra environment for the job (e.g. S3 credentials, a fault flag).
+            env: extra plain settings for the job's environment (never credentials)
             resubmit_succeeded: submit a new attempt even when the newest job succeeded
                 (the caller found no marker, e.g. after a rollback).
 
@@ -210,7 +289,7 @@ class RayJobBackend:
         number = (newest.attempt + 1) if newest else 1
         job_id = submission_id(spec, number)
         resources = config.phase_resources(spec.phase)
-        runtime_env: dict[str, Any] = {"env_vars": {**self.env, **(env or {})}}
+        runtime_env: dict[str, Any] = {"env_vars": public_env({**self.env, **(env or {})})}
         try:
             self._submit_job(
                 job_id,
@@ -229,28 +308,43 @@ class RayJobBackend:
         log.info("submitted Ray job %s (attempt %d of unit %s)", job_id, number, spec.label)
         return JobHandle(job_id, "PENDING", number, True)
 
-    def _submit_job(self, job_id: str, *, agent_wait_s: float = 60, **kwargs: Any) -> None:
-        """``submit_job``, retried while a fresh head's job agent is not up yet (HTTP 500 "No available agent")."""
-        import time
+    def _submit_job(self, job_id: str, **kwargs: Any) -> None:
+        """``submit_job``, retried on transient errors (also a fresh head's HTTP 500 "No available agent").
 
-        deadline = time.monotonic() + agent_wait_s
+        A retry after a reset whose request did reach the head fails with a duplicate id,
+        which :meth:`submit` turns into attaching to that job.
+        """
+        self._retry(f"submit {job_id}", lambda: self.client.submit_job(submission_id=job_id, **kwargs))
+
+    def _retry(self, what: str, call: Any) -> Any:
+        """``call()``, retried with backoff while it fails transiently, for at most ``retry_s``.
+
+        Raises:
+            RayUnavailable: still failing transiently after ``retry_s`` (names the address and last error).
+            Exception: a non-transient error of ``call``, unchanged.
+        """
+        backoff = Backoff(self.retry_s)
         while True:
             try:
-                self.client.submit_job(submission_id=job_id, **kwargs)
-                return
-            except RuntimeError as err:
-                if NO_AGENT not in str(err) or time.monotonic() > deadline:
+                return call()
+            except Exception as err:
+                if not is_transient(err):
                     raise
-                log.info("Ray job agent not ready; retrying submission of %s", job_id)
-                time.sleep(1.0)
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise RayUnavailable(f"Ray dashboard at {self.target.address}: {what} still failing after "
+                                         f"{self.retry_s:g}s of retries ({RETRY_ENV}); last error: {err}") from err
+                log.warning("Ray dashboard at %s: %s failed transiently (%s); retry %d in %.1fs",
+                            self.target.address, what, err, backoff.failures, delay)
+                time.sleep(delay)
 
     # -- watching ----------------------------------------------------------------
     def status(self, job_id: str) -> str:
-        status = self.client.get_job_status(job_id)
+        status = self._retry(f"status of {job_id}", lambda: self.client.get_job_status(job_id))
         return str(getattr(status, "value", status))
 
     def logs(self, job_id: str) -> str:
-        return self.client.get_job_logs(job_id)
+        return self._retry(f"logs of {job_id}", lambda: self.client.get_job_logs(job_id))
 
     def stop(self, job_id: str) -> bool:
         """Ask Ray to stop a job; True if it was live."""
@@ -262,8 +356,6 @@ class RayJobBackend:
 
     def wait(self, job_id: str, timeout_s: float = 600, poll_s: float = 0.5) -> str:
         """Block until the job is terminal; return its status (for scripts and tests)."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             status = self.status(job_id)
@@ -271,6 +363,20 @@ class RayJobBackend:
                 return status
             time.sleep(poll_s)
         raise TimeoutError(f"Ray job {job_id} not finished after {timeout_s}s")
+
+
+def public_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a job's ``runtime_env``, which the Jobs API shows to every token holder.
+
+    Raises:
+        ConfigError: a variable's name marks it as a secret (credentials reach jobs through
+            the Ray nodes' own credential chain, never through the job).
+    """
+    secret = sorted(name for name in env if is_secret_name(name))
+    if secret:
+        raise ConfigError(f"refusing to send {', '.join(secret)} in a Ray job's runtime_env (the Jobs API shows it "
+                          "to anyone holding the Ray token); give the Ray nodes their own credentials instead")
+    return env
 
 
 def log_tail(text: str, lines: int = 40) -> str:

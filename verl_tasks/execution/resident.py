@@ -7,6 +7,9 @@ connects to the cluster and hands the unit to a named, detached actor that
 already has everything imported. If that actor dies (node lost, OOM, SIGKILL),
 the call fails, the job fails, Airflow retries it, and Ray restarts the actor;
 the actor holds no state the store does not, so nothing is lost.
+
+The actor is shared by every experiment on the cluster, so nothing secret is
+passed to it: it reaches storage through the node's own credential chain.
 """
 from __future__ import annotations
 
@@ -42,22 +45,23 @@ class PhaseWorker:
 
         logging.getLogger().setLevel(logging.INFO)
 
-    def run(self, config_json: dict[str, Any], phase: str, epoch: int, batch: int | None,
-            credentials: dict[str, str] | None) -> dict[str, Any]:
+    def run(self, config_json: dict[str, Any], phase: str, epoch: int, batch: int | None) -> dict[str, Any]:
         from verl_tasks.config import parse_config
         from verl_tasks.execution import UnitSpec
         from verl_tasks.execution.inline import InlineBackend, record_summary
+        from verl_tasks.execution.outcome import failure_result
 
         capture = _Capture()
         root = logging.getLogger()
         root.addHandler(capture)
         try:
             config = parse_config(config_json)
-            record = InlineBackend().run(config, UnitSpec(config.experiment, phase, epoch, batch), credentials)
-            return {"ok": True, **record_summary(record), "log": capture.lines}
-        except Exception as err:  # noqa: BLE001 - returned to the job, which fails with it
+            spec = UnitSpec(config.experiment, phase, epoch, batch)
+            return {"ok": True, **record_summary(InlineBackend().run(config, spec)), "log": capture.lines}
+        except Exception as err:  # noqa: BLE001 - returned to the job, which fails with it (typed, see outcome.py)
             logging.getLogger(__name__).exception("unit failed")
-            return {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000], "log": capture.lines}
+            label = UnitSpec(str(config_json.get("experiment")), phase, epoch, batch).label
+            return {**failure_result(err, label), "log": capture.lines}
         finally:
             root.removeHandler(capture)
 
@@ -80,11 +84,11 @@ def worker_name(phase: str, batch: int | None, slots: int) -> str:
 
 
 def run_on_resident_worker(config_json: dict[str, Any], phase: str, epoch: int, batch: int | None,
-                           credentials: dict[str, str] | None, slots: int = 1) -> dict[str, Any]:
+                           slots: int = 1) -> dict[str, Any]:
     """Connect to the job's cluster, get or create the worker, run the unit there."""
     if not ray.is_initialized():
         ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     worker = PhaseWorker.options(
         name=worker_name(phase, batch, slots), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
     ).remote()
-    return ray.get(worker.run.remote(config_json, phase, epoch, batch, credentials))
+    return ray.get(worker.run.remote(config_json, phase, epoch, batch))
