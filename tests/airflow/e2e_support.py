@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 VENV_BIN = Path(sys.executable).parent
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def free_port(span: int = 1) -> int:
@@ -45,9 +47,10 @@ def free_port(span: int = 1) -> int:
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 
 
-def _psql(sql: str, user: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["psql", "-h", PG_HOST, "-p", str(PG_PORT), "-U", user, "-d", "postgres", "-v",
-                           "ON_ERROR_STOP=1", "-qAtc", sql], capture_output=True, text=True, timeout=60)
+def _psql(sql: str, user: str, database: str = "postgres", *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["psql", "-h", PG_HOST, "-p", str(PG_PORT), "-U", user, "-d", database, "-v",
+                           "ON_ERROR_STOP=1", "-qAtc" if not flags else "-qc", sql, *flags],
+                          capture_output=True, text=True, timeout=60)
 
 
 def pg_user() -> str | None:
@@ -81,6 +84,14 @@ class PgDatabase:
         if done.returncode:
             raise RuntimeError(f"CREATE DATABASE {name} failed: {done.stderr}")
         return cls(name, user)
+
+    def table(self, sql: str) -> str:
+        """A query's result as a printed table (diagnosis only: never raises)."""
+        try:
+            done = _psql(sql, self.user, self.name, "-P", "pager=off")
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"({sql[:60]}...: {err})"
+        return done.stdout if done.returncode == 0 else f"({done.stderr.strip()})"
 
     def drop(self) -> None:
         done = _psql(f"DROP DATABASE IF EXISTS {self.name} WITH (FORCE)", self.user)
@@ -133,6 +144,22 @@ class Standalone:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no standalone log)"
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def component_tail(self, component: str, lines: int = 40) -> str:
+        """The last lines one component (scheduler, triggerer, dag-processor, api-server) wrote."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return f"--- {component}: (no standalone log)"
+        mine = [line for line in (ANSI.sub("", raw) for raw in text.splitlines())
+                if line.split("|", 1)[0].strip() == component]
+        return f"--- {component} (last {min(lines, len(mine))} of {len(mine)} lines)\n" + "\n".join(mine[-lines:])
 
     def task_logs(self, dag_id: str, run_id: str) -> dict[str, str]:
         """Every task log file of a run (relative path -> text)."""
@@ -206,17 +233,39 @@ def states(tis: list[dict[str, Any]]) -> dict[str, str | None]:
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, every: float = 1.0,
-             diagnose: Callable[[], str] | None = None) -> Any:
-    """Call ``probe`` until it returns something truthy; on timeout raise with ``diagnose()``."""
-    deadline = time.monotonic() + timeout_s
+             diagnose: Callable[[], str] | None = None, progress: Callable[[], Any] | None = None,
+             limit_s: float | None = None) -> Any:
+    """Call ``probe`` until it returns something truthy; on giving up raise with ``diagnose()``.
+
+    Without ``progress``, give up after ``timeout_s``. With it, give up only when nothing moved
+    for ``timeout_s``: ``progress()`` returns a picture of what can move (task states, events,
+    job statuses) and each change restarts the clock, so a loaded machine slows a test down
+    without failing it; ``limit_s`` (default 10 x ``timeout_s``) still bounds the whole wait.
+    """
+    started = moved = time.monotonic()
+    limit = limit_s if limit_s is not None else (10 * timeout_s if progress else timeout_s)
+    picture: Any = None
     last_err: Exception | None = None
-    while time.monotonic() < deadline:
+    while True:
         try:
             value = probe()
             if value:
                 return value
-        except Exception as err:  # noqa: BLE001 - retried until the deadline
+        except Exception as err:  # noqa: BLE001 - retried until giving up
             last_err = err
+        now = time.monotonic()
+        if progress is not None:
+            try:
+                seen = progress()
+            except Exception as err:  # noqa: BLE001 - an unreadable picture is no progress
+                last_err, seen = err, picture
+            if seen != picture:
+                picture, moved = seen, now
+        if now - moved >= timeout_s or now - started >= limit:
+            break
         time.sleep(every)
+    why = (f"nothing moved for {now - moved:.0f}s ({now - started:.0f}s in all)" if progress is not None
+           and now - started < limit else f"timed out after {now - started:.0f}s")
     extra = diagnose() if diagnose else ""
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} (last error: {last_err})\n{extra}")
+    seen_text = f"\nlast progress picture: {picture}" if progress is not None else ""
+    raise TimeoutError(f"{why} waiting for {what} (last error: {last_err}){seen_text}\n{extra}")

@@ -2,7 +2,8 @@
 triggerer) on PostgreSQL, a project-local Ray head (token auth on), S3 through a moto server
 over HTTP.
 
-1. trigger the DAG through REST API v2 with a conf that makes rollout batch 1 of epoch 0 fail once;
+1. trigger the DAG through REST API v2 with a fault planned for rollout batch 1 of epoch 0 (the test's
+   fault hooks, loaded by every process the stack starts: see tests/faults);
 2. see that task instance fail and the run end failed;
 3. clear exactly that map index with downstream (`clearTaskInstances`, `dry_run: false`, as the
    UI's Clear button does) and see the run succeed;
@@ -11,6 +12,10 @@ over HTTP.
 5. clear the whole successful run: it succeeds again with no new `started` event (every task
    returned from its marker); the time per task is printed (and written to
    ``$VT_E2E_BENCH_OUT`` when set).
+
+Waits follow progress: one gives up only when nothing (task state, store event, Ray job status)
+moved for ``STALL_S`` seconds, and then prints what it saw (task states and logs, each Airflow
+component's log tail, the last store events, the Ray jobs, the scheduler's rows in the database).
 
     .venv/bin/python -m pytest tests/airflow/test_e2e.py -m "airflow and slow" -s
 """
@@ -28,9 +33,11 @@ from collections import Counter
 from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
+from tests import faults
 from tests.airflow.e2e_support import (
     Api,
     PgDatabase,
@@ -103,6 +110,8 @@ print(json.dumps(train(make_context(cfg), cfg.epochs)["latest_snapshot"]))
 """
 
 TERMINAL = ("success", "failed")
+STALL_S = float(os.environ.get("VT_E2E_STALL_S", "180"))  # a wait fails when nothing moved this long
+POLL_S = 2.0  # the api-server is one process: the test's polling must leave it room for the workers
 
 
 def _now() -> datetime:
@@ -151,6 +160,10 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
         monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
         monkeypatch.setenv("VERL_TASKS_S3_ENDPOINT", moto_endpoint)
+        plan_dir = tmp_path / "fault-plan"
+        plan_dir.mkdir()
+        for key, value in faults.harness_env(plan_dir).items():  # the head, Airflow and all they start
+            monkeypatch.setenv(key, value)
         taken: set[int] = set()
 
         def pick(span: int = 1) -> int:  # free now, and not one another component was given
@@ -220,10 +233,11 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
         def diagnose() -> str:
             return f"standalone alive={airflow.alive()}; log tail:\n{airflow.log_tail()}"
 
-        wait_for("the Airflow API", lambda: airflow.alive() and api.request("GET", "/api/v2/version"), 180,
-                 diagnose=diagnose)
+        # Starting up, the log grows while anything happens (migrations, parsing).
+        wait_for("the Airflow API", lambda: airflow.alive() and api.request("GET", "/api/v2/version"), 120,
+                 every=POLL_S, diagnose=diagnose, progress=airflow.log_size, limit_s=900)
         wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 120,
-                 diagnose=diagnose)
+                 every=POLL_S, diagnose=diagnose, progress=airflow.log_size, limit_s=600)
         # Warm the execution API (first request initialises it) before a worker depends on it.
         for path in ("/execution/health", "/execution/health/ping"):
             try:
@@ -233,7 +247,8 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
         ready_s = time.monotonic() - started
         print(f"\nairflow standalone ready and DAG parsed in {ready_s:.1f}s")
         yield {"ready_s": ready_s, "api": api, "airflow": airflow, "head": head, "store_uri": store_uri, "endpoint": moto_endpoint,
-               "reference": reference, "ref_store": ref_store, "tmp": tmp_path, "yaml": yaml_path}
+               "reference": reference, "ref_store": ref_store, "tmp": tmp_path, "yaml": yaml_path, "db": db,
+               "faults": plan_dir}
 
 
 def _failing_logs(airflow: Standalone, run_id: str, tis: list[dict]) -> str:
@@ -247,21 +262,71 @@ def _failing_logs(airflow: Standalone, run_id: str, tis: list[dict]) -> str:
     return "\n".join(out)[-12000:]
 
 
-def _diagnose(api: Api, airflow: Standalone, run_id: str) -> str:
-    tis = api.task_instances(DAG_ID, run_id)
-    return (f"task states: {json.dumps(states(tis), indent=1)}\n{_failing_logs(airflow, run_id, tis)}\n"
-            f"standalone log tail:\n{airflow.log_tail(30)}")
+class Watch:
+    """What the test looks at while it waits on the stack: a picture of everything that can move
+    (task states and tries, store events, Ray job statuses) and, on giving up, what it saw."""
 
+    def __init__(self, stack: dict[str, Any], run_id: str):
+        from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
+        from verl_tasks.layout import Layout
+        from verl_tasks.store import open_store
 
-def _wait_run(api: Api, airflow: Standalone, run_id: str, timeout_s: float) -> tuple[str, list[dict]]:
-    """Wait until the run is terminal; return (state, task instances)."""
-    def probe():
-        state = api.dag_run(DAG_ID, run_id)["state"]
-        return state if state in TERMINAL else None
+        self.stack, self.run_id = stack, run_id
+        self.api: Api = stack["api"]
+        self.airflow: Standalone = stack["airflow"]
+        self.store = open_store(stack["store_uri"], endpoint_url=stack["endpoint"],
+                                credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
+        self.layout = Layout(EXPERIMENT)
+        self.ray = RayJobBackend(RayTarget(stack["head"].address, read_token(stack["head"].token_file)))
 
-    state = wait_for(f"run {run_id} to finish", probe, timeout_s, every=1.0,
-                     diagnose=lambda: _diagnose(api, airflow, run_id))
-    return state, api.task_instances(DAG_ID, run_id)
+    def jobs(self) -> dict[str, str]:
+        return {j.submission_id: str(getattr(j.status, "value", j.status)) for j in self.ray.client.list_jobs()
+                if (j.submission_id or "").startswith(f"vt-{EXPERIMENT}-")}
+
+    def picture(self) -> tuple:
+        tis = self.api.task_instances(DAG_ID, self.run_id)
+        return (tuple((ti_key(t), t["state"], t["try_number"]) for t in tis),
+                len(self.store.list(self.layout.events + "/")), tuple(sorted(self.jobs().items())))
+
+    def diagnose(self) -> str:
+        parts = []
+        try:
+            tis = self.api.task_instances(DAG_ID, self.run_id)
+            parts += [f"task states: {json.dumps(states(tis), indent=1)}", _failing_logs(self.airflow, self.run_id, tis)]
+        except Exception as err:  # noqa: BLE001 - diagnosis goes on without it
+            parts.append(f"(no task states: {err})")
+        parts += [self.airflow.component_tail(name, lines) for name, lines in
+                  (("scheduler", 60), ("triggerer", 25), ("dag-processor", 10), ("api-server", 15))]
+        parts.append(f"standalone log tail:\n{self.airflow.log_tail(30)}")
+        try:
+            from verl_tasks.events import read_events
+
+            events = read_events(self.store, self.layout)[-12:]
+            parts.append("last store events:\n" + "\n".join(json.dumps(e, sort_keys=True)[:300] for e in events))
+            parts.append(f"ray jobs: {json.dumps(self.jobs(), indent=1)}")
+        except Exception as err:  # noqa: BLE001
+            parts.append(f"(no store events / ray jobs: {err})")
+        db = self.stack["db"]
+        parts.append("task instances in the database:\n" + db.table(
+            "select task_id, map_index, state, try_number, pool, queued_dttm, start_date, queued_by_job_id, "
+            f"next_method from task_instance where run_id = '{self.run_id}' order by task_id, map_index"))
+        parts.append("jobs in the database:\n" + db.table(
+            "select id, job_type, state, latest_heartbeat, start_date, end_date from job order by id"))
+        parts.append("pools:\n" + db.table("select pool, slots from slot_pool"))
+        return "\n".join(parts)
+
+    def wait(self, what: str, probe: Callable[[], Any]) -> Any:
+        """``probe`` until truthy; give up when nothing moved for ``STALL_S``."""
+        return wait_for(what, probe, STALL_S, every=POLL_S, diagnose=self.diagnose, progress=self.picture)
+
+    def wait_run(self) -> tuple[str, list[dict]]:
+        """Wait until the run is terminal; return (state, task instances)."""
+        def probe():
+            state = self.api.dag_run(DAG_ID, self.run_id)["state"]
+            return state if state in TERMINAL else None
+
+        state = self.wait(f"run {self.run_id} to finish", probe)
+        return state, self.api.task_instances(DAG_ID, self.run_id)
 
 
 def test_fault_clear_and_rerun_through_the_rest_api(stack):
@@ -274,12 +339,11 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
 
     # -- 1. trigger with a fault on rollout batch 1 of epoch 0 ----------------------------------
-    flag = stack["tmp"] / "fail-once-rollout-b1"
+    fired = faults.fail_once(stack["faults"], EXPERIMENT, "rollout", 0, 1)
     run_id = "e2e_fault_" + secrets.token_hex(3)
-    conf = {"experiment": EXPERIMENT,
-            "fail_once": {"phase": "rollout", "epoch": 0, "batch": 1, "flag": str(flag)}}
+    watch = Watch(stack, run_id)
     run = api.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
-                      {"dag_run_id": run_id, "logical_date": None, "conf": conf})
+                      {"dag_run_id": run_id, "logical_date": None, "conf": {"experiment": EXPERIMENT}})
     assert run["dag_run_id"] == run_id
 
     # -- 2. the faulty map index fails -------------------------------------------------------
@@ -287,25 +351,19 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
         tis = api.task_instances(DAG_ID, run_id)
         return tis if states(tis).get(f"{ROLLOUT}[1]") == "failed" else None
 
-    tis = wait_for(f"{ROLLOUT}[1] to fail", failed_yet, 300, diagnose=lambda: _diagnose(api, airflow, run_id))
+    tis = watch.wait(f"{ROLLOUT}[1] to fail", failed_yet)
     fault_s = time.monotonic() - t0
     print(f"rollout[1] failed after {time.monotonic() - t0:.0f}s: {states(tis)}")
-    assert flag.exists(), "the Ray job never saw the fault flag"
+    assert fired.exists(), "the fault hook never fired in the Ray worker"
     failed_log = "\n".join(text for path, text in airflow.task_logs(DAG_ID, run_id).items()
                            if path.startswith(f"task_id={ROLLOUT}/map_index=1/"))
     assert "injected fault" in failed_log, failed_log[-4000:]
 
     # -- 2b. retries exhausted -> safe mode (docs/fault-tolerance.md): the failure callback wrote
     # control/safe_mode.json and paused the DAG. The runbook: `verl-tasks resume`, unpause, Clear.
-    from verl_tasks.layout import Layout
-    from verl_tasks.store import open_store
-
-    store = open_store(stack["store_uri"], endpoint_url=stack["endpoint"],
-                       credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
-    layout = Layout(EXPERIMENT)
-    wait_for("safe mode", lambda: store.exists(layout.safe_mode), 60)
-    wait_for("the failure callback to pause the DAG",
-             lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}")["is_paused"], 60)
+    store, layout = watch.store, watch.layout
+    watch.wait("safe mode", lambda: store.exists(layout.safe_mode))
+    watch.wait("the failure callback to pause the DAG", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}")["is_paused"])
     resumed = subprocess.run([str(Path(sys.executable).parent / "verl-tasks"), "resume", str(stack["yaml"]),
                               "--experiment", EXPERIMENT], capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -313,7 +371,7 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
 
     # unpaused, the scheduler finishes the run: downstream upstream_failed, run failed
-    state, tis = _wait_run(api, airflow, run_id, 120)
+    state, tis = watch.wait_run()
     by_key = states(tis)
     print(f"run {state} after {time.monotonic() - t0:.0f}s: {by_key}")
     why = f"{json.dumps(by_key, indent=1)}\n{_failing_logs(airflow, run_id, tis)}"
@@ -332,7 +390,7 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     print(f"cleared: {sorted(cleared_keys)}")
     assert f"{ROLLOUT}[1]" in cleared_keys and f"{ROLLOUT}[0]" not in cleared_keys, cleared_keys
     assert "configure" not in cleared_keys and "epoch_000.plan" not in cleared_keys, cleared_keys
-    state, tis = _wait_run(api, airflow, run_id, 300)
+    state, tis = watch.wait_run()
     recover_s = time.monotonic() - recover_s
     by_key = states(tis)
     print(f"after the clear ({time.monotonic() - t0:.0f}s): run {state}")
@@ -344,7 +402,6 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     # -- 4. storage --------------------------------------------------------------------------
     from verl_tasks.config import load_config
     from verl_tasks.events import read_events
-    from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
     from verl_tasks.runner import status
     from verl_tasks.store.units import ATTEMPTS, MARKER, read_jsonl, read_marker
 
@@ -378,9 +435,8 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     assert len(sample_ids) == len(set(sample_ids)) == 64, "duplicate sample ids"
 
     # one Ray job per unit; only the faulty unit has a second attempt
-    backend = RayJobBackend(RayTarget(stack["head"].address, read_token(stack["head"].token_file)))
-    jobs = {j.submission_id: str(getattr(j.status, "value", j.status)) for j in backend.client.list_jobs()
-            if (j.submission_id or "").startswith(f"vt-{EXPERIMENT}-")}
+    backend = watch.ray
+    jobs = watch.jobs()
     prefix = f"vt-{EXPERIMENT}-e0-rollout-b1-"
     assert jobs.pop(prefix + "a1") == "FAILED" and jobs.pop(prefix + "a2") == "SUCCEEDED"
     assert all(s == "SUCCEEDED" for s in jobs.values()), jobs
@@ -402,7 +458,7 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     wall = time.monotonic()
     cleared = api.clear(DAG_ID, {"dag_run_id": run_id, "only_failed": False, "reset_dag_runs": True})
     assert len(cleared["task_instances"]) == len(tis), (len(cleared["task_instances"]), len(tis))
-    state, tis = _wait_run(api, airflow, run_id, 180)
+    state, tis = watch.wait_run()
     wall = time.monotonic() - wall
     assert state == "success", states(tis)
     assert all(_ts(t["start_date"]) >= cleared_at for t in tis), "some task was not run again"

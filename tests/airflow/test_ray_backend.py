@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests import faults
 from tests.airflow.conftest import DAGS
 from verl_tasks.config import load_config
 from verl_tasks.execution import UnitSpec
@@ -26,7 +27,7 @@ def test_without_token_the_head_refuses(ray_head):
         RayJobBackend(RayTarget(ray_head.address, None)).client.list_jobs()
 
 
-def test_retry_attaches_then_next_attempt(ray_head, tmp_path):
+def test_retry_attaches_then_next_attempt(ray_head, fault_plan, tmp_path):
     backend = RayJobBackend(RayTarget(ray_head.address, read_token(ray_head.token_file)))
     cfg = load_config(TINY, {"experiment": "rb-1", "storage.uri": f"file://{tmp_path}/store"})
     spec = UnitSpec("rb-1", "plan", 0)
@@ -40,18 +41,18 @@ def test_retry_attaches_then_next_attempt(ray_head, tmp_path):
     assert (tmp_path / "store/rb-1/epochs/00000/plan/_SUCCESS").is_file()
     done = backend.submit(cfg, spec)
     assert done.status == "SUCCEEDED" and not done.submitted
-    # a failed attempt -> the next submission is attempt 2 (fault flag honoured by the entrypoint)
+    # a failed attempt -> the next submission is attempt 2 (the test's fault hook in the Ray worker)
     spec_b = UnitSpec("rb-1", "rollout", 0, 1)
-    flag = tmp_path / "fail-once"
-    failed = backend.submit(cfg, spec_b, env={"VERL_TASKS_FAIL_ONCE": str(flag)})
+    fired = faults.fail_once(fault_plan, "rb-1", "rollout", 0, 1)
+    failed = backend.submit(cfg, spec_b)
     assert backend.wait(failed.submission_id, timeout_s=120) == "FAILED"
-    assert "injected fault" in backend.logs(failed.submission_id)
-    retry = backend.submit(cfg, spec_b, env={"VERL_TASKS_FAIL_ONCE": str(flag)})
+    assert "injected fault" in backend.logs(failed.submission_id) and fired.exists()
+    retry = backend.submit(cfg, spec_b)
     assert retry.submission_id == "vt-rb-1-e0-rollout-b1-a2" and retry.submitted
     assert backend.wait(retry.submission_id, timeout_s=300) == "SUCCEEDED"
 
 
-def test_operator_defers_and_completes_through_the_trigger(ray_head, tmp_path, monkeypatch):
+def test_operator_defers_and_completes_through_the_trigger(ray_head, fault_plan, tmp_path, monkeypatch):
     from airflow.sdk.exceptions import TaskDeferred
 
     from verl_tasks.airflow.operators import VerlPhaseOperator
@@ -60,10 +61,9 @@ def test_operator_defers_and_completes_through_the_trigger(ray_head, tmp_path, m
     for key, value in ray_head.client_env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
-    flag = tmp_path / "flag"
+    faults.fail_once(fault_plan, "rb-2", "plan", 0)
     ctx = {"params": {"experiment": "rb-2"},
-           "dag_run": SimpleNamespace(run_type="manual", logical_date=None, run_after=None,
-                                      conf={"fail_once": {"phase": "plan", "epoch": 0, "batch": None, "flag": str(flag)}})}
+           "dag_run": SimpleNamespace(run_type="manual", logical_date=None, run_after=None, conf={})}
     op = VerlPhaseOperator(task_id="plan", config_path=TINY, phase="plan", epoch=0, backend="ray", ray_conn_id=None,
                            poll_interval=0.5)
 

@@ -10,9 +10,9 @@ a project-local Ray head (token auth on), S3 on a moto server. One stack per mod
 10. the scheduler's process group is SIGKILLed while a rollout is running (deferred) and started
     again: the run completes.
 
-"Mid-batch" is made reliable with the test-only hold hook (``VERL_TASKS_TEST_HOLD_DIR``, see
-``verl_tasks/execution/inline.py``): the seeded batch waits after loading the policy and before
-generating, and tells its PID. Each test then checks: the run succeeds; every unit is committed
+"Mid-batch" is made reliable with the test-only hold hook (``tests/faults``: every process the
+stack starts loads it through ``sitecustomize``): the seeded batch waits after loading the policy
+and before generating, and tells its PID. Each test then checks: the run succeeds; every unit is committed
 exactly once (its only attempt folder is the one its marker names; no ``lost_race``); no sample
 id is lost or duplicated; the final ``weights_sha256`` equals the fault-free reference.
 
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import faults
 from tests.airflow.e2e_support import Api, PgDatabase, _group_alive, free_port, pg_user, states, ti_key, wait_for
 
 from . import util
@@ -158,7 +159,6 @@ def cluster(tmp_path_factory, moto_endpoint):
     import boto3
 
     from verl_tasks.execution import local_head
-    from verl_tasks.execution.inline import HOLD_ENV
 
     user = pg_user()
     if user is None:
@@ -186,12 +186,13 @@ def cluster(tmp_path_factory, moto_endpoint):
 
         hold_dir = tmp / "hold"
         hold_dir.mkdir()
-        # The head's workers (the resident actors) inherit this environment.
+        # The head's workers (the resident actors) inherit this environment, the fault hooks with it.
         mp.setenv("AWS_ACCESS_KEY_ID", AWS_KEY)
         mp.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
         mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
         mp.setenv("VERL_TASKS_S3_ENDPOINT", moto_endpoint)
-        mp.setenv(HOLD_ENV, str(hold_dir))
+        for key, value in faults.harness_env(hold_dir).items():
+            mp.setenv(key, value)
         taken: set[int] = set()
 
         def pick(span: int = 1) -> int:
@@ -316,17 +317,20 @@ def _ti_state(cluster, run_id: str, key: str) -> str | None:
     return states(cluster["api"].task_instances(DAG_ID, run_id)).get(key)
 
 
-def _wait_held(cluster, run_id: str, label: str, timeout_s: float = 240) -> int:
-    held = cluster["hold"] / f"{label}.held"
-    wait_for(f"{label} to reach the middle of its batch", held.exists, timeout_s, every=0.2,
+def _hold(cluster, experiment: str, batch: int) -> Path:
+    """Plan the hold of rollout ``batch`` of epoch 0; returns the file that will name the held PID."""
+    return faults.hold(cluster["hold"], experiment, 0, batch)
+
+
+def _wait_held(cluster, run_id: str, held: Path, timeout_s: float = 240) -> int:
+    wait_for(f"{held.stem} to reach the middle of its batch", held.exists, timeout_s, every=0.2,
              diagnose=lambda: _diagnose(cluster, run_id))
     time.sleep(0.2)
     return int(held.read_text())
 
 
-def _release(cluster, label: str) -> None:
-    (cluster["hold"] / f"{label}.hold").unlink(missing_ok=True)
-    (cluster["hold"] / f"{label}.held").unlink(missing_ok=True)
+def _release(cluster, experiment: str, batch: int) -> None:
+    faults.release(cluster["hold"], experiment, 0, batch)
 
 
 def _wait_success(cluster, run_id: str, timeout_s: float = 420) -> None:
@@ -407,20 +411,19 @@ def _rng(fault: str) -> random.Random:
 def test_rollout_worker_sigkilled_mid_batch(cluster):
     rng = _rng("rollout_worker_sigkill")
     batch = rng.randrange(BATCHES)
-    label = f"e0-rollout-b{batch}"
     experiment = f"chaos-kill-{secrets.token_hex(2)}"
-    (cluster["hold"] / f"{label}.hold").write_text("hold")
+    held = _hold(cluster, experiment, batch)
     t0 = time.monotonic()
     run_id = _trigger(cluster, experiment)
     try:
-        pid = _wait_held(cluster, run_id, label)
+        pid = _wait_held(cluster, run_id, held)
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         assert "ray" in cmdline.lower(), f"pid {pid} is not a Ray worker: {cmdline}"
         print(f"\nbatch {batch} held in pid {pid} ({cmdline[:80]}); SIGKILL")
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
     finally:
-        _release(cluster, label)
+        _release(cluster, experiment, batch)
     wait_for(f"{ROLLOUT}[{batch}] to succeed again", lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success",
              300, diagnose=lambda: _diagnose(cluster, run_id))
     recovery_s = time.monotonic() - killed_at
@@ -447,19 +450,18 @@ def test_ray_head_restarted_during_epoch(cluster):
 
     rng = _rng("ray_head_restart")
     batch = rng.randrange(BATCHES)
-    label = f"e0-rollout-b{batch}"
     experiment = f"chaos-head-{secrets.token_hex(2)}"
-    (cluster["hold"] / f"{label}.hold").write_text("hold")
+    held = _hold(cluster, experiment, batch)
     t0 = time.monotonic()
     run_id = _trigger(cluster, experiment)
     ray_port, dash_port = cluster["ports"]
     try:
-        _wait_held(cluster, run_id, label)
+        _wait_held(cluster, run_id, held)
         print(f"\nbatch {batch} held; restarting the Ray head")
         stopped_at = time.monotonic()
         assert local_head.stop(cluster["head_state"]), "the head was not running"
     finally:
-        _release(cluster, label)
+        _release(cluster, experiment, batch)
     time.sleep(rng.uniform(1, 4))  # the cluster stays down a (seeded) moment
     local_head.start(cluster["head_state"], port=ray_port, dashboard_port=dash_port, num_cpus=2)
     head_down_s = time.monotonic() - stopped_at
@@ -488,14 +490,13 @@ def test_ray_head_restarted_during_epoch(cluster):
 def test_scheduler_restarted_during_run(cluster):
     rng = _rng("scheduler_restart")
     batch = rng.randrange(BATCHES)
-    label = f"e0-rollout-b{batch}"
     experiment = f"chaos-sched-{secrets.token_hex(2)}"
     scheduler: Component = cluster["parts"]["scheduler"]
-    (cluster["hold"] / f"{label}.hold").write_text("hold")
+    held = _hold(cluster, experiment, batch)
     t0 = time.monotonic()
     run_id = _trigger(cluster, experiment)
     try:
-        _wait_held(cluster, run_id, label)
+        _wait_held(cluster, run_id, held)
         # Kill while no task holds a worker slot (the held rollout is deferred in the triggerer).
         wait_for("no running task instance", lambda: not {"running", "queued"} & set(
             states(cluster["api"].task_instances(DAG_ID, run_id)).values()), 60, every=0.3,
@@ -504,7 +505,7 @@ def test_scheduler_restarted_during_run(cluster):
         killed_at = time.monotonic()
         scheduler.kill(signal.SIGKILL)
     finally:
-        _release(cluster, label)  # the job finishes while no scheduler runs
+        _release(cluster, experiment, batch)  # the job finishes while no scheduler runs
     time.sleep(rng.uniform(3, 8))
     scheduler.start()
     restarted_at = time.monotonic()

@@ -39,7 +39,6 @@ from verl_tasks.layout import Layout
 
 log = logging.getLogger(__name__)
 BACKENDS = ("ray", "inline")
-FAIL_ONCE_CONF = "fail_once"
 
 
 def default_backend() -> str:
@@ -188,16 +187,6 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             return f"evaluate.every={cfg.evaluate.every}: no evaluation after epoch {self.epoch}"
         return None
 
-    def _fault_env(self, context: Any, cfg) -> dict[str, str]:
-        """Test hook: conf ``fail_once`` = {phase, epoch, batch, flag} makes that unit's job fail once."""
-        conf = getattr(context.get("dag_run"), "conf", None) or {}
-        fault = conf.get(FAIL_ONCE_CONF) if isinstance(conf, dict) else None
-        if not fault:
-            return {}
-        if (fault.get("phase"), fault.get("epoch"), fault.get("batch")) == (self.phase, self.epoch, self.batch):
-            return {"VERL_TASKS_FAIL_ONCE": str(fault["flag"])}
-        return {}
-
     def _finish(self, context: Any, cfg, store, record) -> dict[str, Any]:
         summary = record_summary(record)
         if self.phase == "snapshot" and self.snapshot_asset is not None:
@@ -224,23 +213,19 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         if record is not None:
             self.log.info("%s is committed (attempt %s): nothing to do", unit, record.attempt)
             return self._finish(context, cfg, store, record)
-        fault = self._fault_env(context, cfg)
         if self.backend == "inline":
-            from verl_tasks.execution.entry import maybe_fail_once
             from verl_tasks.execution.inline import InlineBackend
 
-            maybe_fail_once(fault.get("VERL_TASKS_FAIL_ONCE"))
             with fail_fast(unit):
                 record = InlineBackend().run(cfg, spec, access.credentials)
             return self._finish(context, cfg, store, record)
-        env = fault
-        handle = self.ray.submit(cfg, spec, env=env)
+        handle = self.ray.submit(cfg, spec)
         if handle.status == "SUCCEEDED":
             record = read_marker(store, unit)
             if record is not None:
                 self.log.info("Ray job %s already committed %s", handle.submission_id, unit)
                 return self._finish(context, cfg, store, record)
-            handle = self.ray.submit(cfg, spec, env=env, resubmit_succeeded=True)
+            handle = self.ray.submit(cfg, spec, resubmit_succeeded=True)
         self._job_id = handle.submission_id
         self.log.info("%s Ray job %s for %s", "submitted" if handle.submitted else "attached to", handle.submission_id, unit)
         from verl_tasks.airflow.triggers import RayJobTrigger

@@ -7,10 +7,6 @@ line then naming the unit and the error's class, module and message (see
 :mod:`verl_tasks.execution.outcome`). S3 access comes from the Ray node's own
 credential chain (environment, instance role, credentials file): verl-tasks never
 sends keys to a job.
-
-Fault injection for tests: when ``VERL_TASKS_FAIL_ONCE`` names a file that does
-not exist yet, the job creates it and fails before doing any work; the next
-attempt (the file now exists) runs normally.
 """
 from __future__ import annotations
 
@@ -18,10 +14,8 @@ import argparse
 import base64
 import json
 import logging
-import os
 import sys
 import time
-from pathlib import Path
 
 from verl_tasks.config import parse_config
 from verl_tasks.phase_registry import PHASE_NAMES
@@ -30,7 +24,6 @@ from verl_tasks.execution.outcome import failure_result
 from verl_tasks.layout import Layout
 
 log = logging.getLogger("verl_tasks.execution.entry")
-FAIL_ONCE_ENV = "VERL_TASKS_FAIL_ONCE"
 
 
 def encode_config(config_json: dict) -> str:
@@ -39,24 +32,6 @@ def encode_config(config_json: dict) -> str:
 
 def decode_config(blob: str) -> dict:
     return json.loads(base64.urlsafe_b64decode(blob.encode()))
-
-
-class InjectedFault(RuntimeError):
-    """Raised once per flag file, so tests can see a task fail and then succeed on Clear."""
-
-
-def maybe_fail_once(flag: str | None) -> None:
-    """Fail once per flag file: create it and raise; do nothing when it exists or no flag is set."""
-    if not flag:
-        return
-    path = Path(flag)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "x") as handle:
-            handle.write(f"{time.time()}\n")
-    except FileExistsError:
-        return
-    raise InjectedFault(f"injected fault ({FAIL_ONCE_ENV}={flag}); the next attempt will run normally")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         config_json = decode_config(args.config_b64)
         config = parse_config(config_json)
         unit = Layout(config.experiment).unit(args.phase, args.epoch, args.batch)
-        maybe_fail_once(os.environ.get(FAIL_ONCE_ENV))
         if args.resident:
             from verl_tasks.execution.resident import run_on_resident_worker
 

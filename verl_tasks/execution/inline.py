@@ -2,33 +2,14 @@
 from __future__ import annotations
 
 import logging
-import os
-import time
-from pathlib import Path
 from typing import Any
 
+from verl_tasks import hooks
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution import UnitSpec
 from verl_tasks.store.units import CommitRecord
 
 log = logging.getLogger(__name__)
-# Test hook (chaos tests only, like VERL_TASKS_FAIL_ONCE): with this set to a folder, a rollout
-# that finds ``<folder>/<unit label>.hold`` writes its PID to ``<label>.held`` and waits in the
-# middle of its batch (after loading the policy, before generating) until the hold file is gone.
-HOLD_ENV = "VERL_TASKS_TEST_HOLD_DIR"
-
-
-def _hold_hook(folder: str, label: str):
-    def hold(**_: Any) -> None:
-        flag = Path(folder) / f"{label}.hold"
-        if not flag.exists():
-            return
-        (Path(folder) / f"{label}.held").write_text(str(os.getpid()))
-        deadline = time.monotonic() + 600
-        while flag.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-    return hold
 
 
 class InlineBackend:
@@ -44,9 +25,8 @@ class InlineBackend:
         """
         from verl_tasks.runner import make_context, run_phase
 
+        hooks.fire("unit_start", experiment=spec.experiment, phase=spec.phase, epoch=spec.epoch, batch=spec.batch)
         ctx = make_context(config, credentials)
-        if os.environ.get(HOLD_ENV):
-            ctx.hooks["rollout_generate"] = _hold_hook(os.environ[HOLD_ENV], spec.label)
         log.info("running %s of %s inline", spec.label, config.experiment)
         return run_phase(ctx, spec.phase, spec.epoch, spec.batch)
 

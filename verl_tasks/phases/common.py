@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from verl_tasks import hooks as process_hooks
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
@@ -39,15 +40,17 @@ class PhaseContext:
     config: ExperimentConfig
     store: ObjectStore
     layout: Layout = field(init=False)
-    # Set by fault-injection tests and the CLI's interrupt handling; never by users' configs.
+    # Set by in-process fault-injection tests; never by users' configs.
     hooks: dict[str, Callable[..., None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.config.experiment)
 
     def hook(self, name: str, **info: Any) -> None:
+        """This context's hook, then the process's (:mod:`verl_tasks.hooks`, empty in production)."""
         if name in self.hooks:
             self.hooks[name](**info)
+        process_hooks.fire(name, experiment=self.config.experiment, **info)
 
 
 def derive_seed(seed: int, epoch: int, phase: str, batch: int | None = None) -> int:

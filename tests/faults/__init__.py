@@ -1,0 +1,40 @@
+"""Fault plans for the processes a test starts (Airflow, the Ray head): see :mod:`.vt_faults`.
+
+    env = {**os.environ, **harness_env(plan_dir)}      # only for processes the test starts
+    flag = fail_once(plan_dir, "exp", "rollout", 0, 1)  # that unit's next attempt fails
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .vt_faults import FAULTS_ENV, unit_name
+
+FOLDER = Path(__file__).resolve().parent
+
+
+def harness_env(plan_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """PYTHONPATH with this folder first (its sitecustomize installs the hooks) and the plan folder."""
+    current = (base if base is not None else os.environ).get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(FOLDER), current) if p), FAULTS_ENV: str(plan_dir)}
+
+
+def fail_once(plan_dir: Path, experiment: str, phase: str, epoch: int, batch: int | None = None) -> Path:
+    """Plan one failure of the unit's next attempt; returns the file it renames to ``.failed`` when it fires."""
+    flag = Path(plan_dir) / f"{unit_name(experiment, phase, epoch, batch)}.fail-once"
+    flag.write_text("fail once\n")
+    return flag.with_suffix(".failed")
+
+
+def hold(plan_dir: Path, experiment: str, epoch: int, batch: int) -> Path:
+    """Hold the rollout batch in its middle; returns the ``.held`` file that will name its PID."""
+    name = unit_name(experiment, "rollout", epoch, batch)
+    (Path(plan_dir) / f"{name}.hold").write_text("hold\n")
+    return Path(plan_dir) / f"{name}.held"
+
+
+def release(plan_dir: Path, experiment: str, epoch: int, batch: int) -> None:
+    """Let a held rollout go on (or never stop)."""
+    name = unit_name(experiment, "rollout", epoch, batch)
+    for suffix in (".hold", ".held"):
+        (Path(plan_dir) / f"{name}{suffix}").unlink(missing_ok=True)

@@ -1,0 +1,74 @@
+"""Fault injection for the chaos and end-to-end tests (test-only; never installed with the package).
+
+``sitecustomize`` (next to this file) calls :func:`install` in every Python process that the
+test harness starts with this folder on ``PYTHONPATH`` and ``VT_TEST_FAULTS_DIR`` set: the
+Airflow components and their task processes, the Ray head and every worker Ray starts. The
+plan is files in that folder, written by the test while those processes run:
+
+* ``<experiment>.<label>.fail-once``: the next attempt of that unit fails before doing any work;
+  the file becomes ``.failed`` (an atomic rename, so exactly one attempt fails);
+* ``<experiment>.<label>.hold``: the unit's rollout writes its PID to ``.held`` after loading the
+  policy and waits there, before generating, until the test removes the hold file.
+
+``label`` is :attr:`verl_tasks.execution.UnitSpec.label`, e.g. ``e0-rollout-b1``. This module is
+imported by top-level name in those processes, so it imports nothing from ``tests``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+FAULTS_ENV = "VT_TEST_FAULTS_DIR"
+HOLD_LIMIT_S = 600
+
+
+class InjectedFault(RuntimeError):
+    """The planned failure of one attempt."""
+
+
+def unit_name(experiment: str, phase: str, epoch: int, batch: int | None = None) -> str:
+    label = f"e{epoch}-{phase}" if batch is None else f"e{epoch}-{phase}-b{batch}"
+    return f"{experiment}.{label}"
+
+
+def _folder() -> Path | None:
+    value = os.environ.get(FAULTS_ENV)
+    return Path(value) if value else None
+
+
+def fail_once(*, experiment: str, phase: str, epoch: int, batch: int | None = None, **_: Any) -> None:
+    """``unit_start`` hook: consume the unit's ``.fail-once`` file and raise, or do nothing."""
+    folder = _folder()
+    if folder is None:
+        return
+    flag = folder / f"{unit_name(experiment, phase, epoch, batch)}.fail-once"
+    try:
+        os.rename(flag, flag.with_suffix(".failed"))
+    except FileNotFoundError:
+        return
+    raise InjectedFault(f"injected fault ({flag.name}, pid {os.getpid()}); the next attempt runs normally")
+
+
+def hold(*, experiment: str, epoch: int, batch: int, **_: Any) -> None:
+    """``rollout_generate`` hook: wait in the middle of the batch while the unit's ``.hold`` file exists."""
+    folder = _folder()
+    if folder is None:
+        return
+    name = unit_name(experiment, "rollout", epoch, batch)
+    flag = folder / f"{name}.hold"
+    if not flag.exists():
+        return
+    (folder / f"{name}.held").write_text(str(os.getpid()))
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def install() -> None:
+    """Register the hooks in this process (child processes that fork inherit them)."""
+    from verl_tasks import hooks
+
+    hooks.register("unit_start", fail_once)
+    hooks.register("rollout_generate", hold)
