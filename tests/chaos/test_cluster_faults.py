@@ -49,6 +49,7 @@ AWS_KEY, AWS_SECRET = "testing-key-id", "testing-secret-value"
 ROLLOUT = "epoch_000.rollout"
 BATCHES = 2
 VENV_BIN = Path(sys.executable).parent
+STALL_S = float(os.environ.get("VT_E2E_STALL_S", "180"))  # a wait fails when nothing moved this long
 
 EXPERIMENT_YAML = """\
 experiment: chaos-cluster
@@ -264,9 +265,13 @@ def cluster(tmp_path_factory, moto_endpoint):
         def diagnose() -> str:
             return "\n".join(p.tail() for p in parts.values())
 
-        wait_for("the Airflow API", lambda: api.request("GET", "/api/v2/version"), 180, diagnose=diagnose)
-        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 180,
-                 diagnose=diagnose)
+        def logs_size() -> int:  # starting up, the components' logs grow while anything happens
+            return sum(p.stat().st_size for p in home.glob("*.log"))
+
+        wait_for("the Airflow API", lambda: api.request("GET", "/api/v2/version"), 120, every=2.0,
+                 diagnose=diagnose, progress=logs_size, limit_s=900)
+        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 120, every=2.0,
+                 diagnose=diagnose, progress=logs_size, limit_s=600)
         for path in ("/execution/health", "/execution/health/ping"):
             try:
                 api.request("GET", path, timeout=120)
@@ -304,6 +309,23 @@ def _diagnose(cluster, run_id: str) -> str:
     return f"task states: {tis}\n" + "\n".join(logs)[-8000:] + "\n" + cluster["diagnose"]()
 
 
+def _picture(cluster, run_id: str) -> tuple:
+    """What can move in a run: task states and tries, the experiment's store events, its Ray jobs."""
+    from verl_tasks.layout import Layout
+
+    experiment = run_id.removeprefix("chaos_")
+    tis = cluster["api"].task_instances(DAG_ID, run_id)
+    events = len(_store(cluster).list(Layout(experiment).events + "/"))
+    jobs = tuple(sorted(_ray_jobs(cluster, experiment).items()))
+    return tuple((ti_key(t), t["state"], t["try_number"]) for t in tis), events, jobs
+
+
+def _wait(cluster, run_id: str, what: str, probe, every: float = 1.0):
+    """``probe`` until truthy; give up only when nothing in the run moved for ``STALL_S``."""
+    return wait_for(what, probe, STALL_S, every=every, diagnose=lambda: _diagnose(cluster, run_id),
+                    progress=lambda: _picture(cluster, run_id))
+
+
 def _trigger(cluster, experiment: str) -> str:
     api: Api = cluster["api"]
     api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
@@ -322,9 +344,8 @@ def _hold(cluster, experiment: str, batch: int) -> Path:
     return faults.hold(cluster["hold"], experiment, 0, batch)
 
 
-def _wait_held(cluster, run_id: str, held: Path, timeout_s: float = 240) -> int:
-    wait_for(f"{held.stem} to reach the middle of its batch", held.exists, timeout_s, every=0.2,
-             diagnose=lambda: _diagnose(cluster, run_id))
+def _wait_held(cluster, run_id: str, held: Path) -> int:
+    _wait(cluster, run_id, f"{held.stem} to reach the middle of its batch", held.exists, every=0.5)
     time.sleep(0.2)
     return int(held.read_text())
 
@@ -333,15 +354,14 @@ def _release(cluster, experiment: str, batch: int) -> None:
     faults.release(cluster["hold"], experiment, 0, batch)
 
 
-def _wait_success(cluster, run_id: str, timeout_s: float = 420) -> None:
+def _wait_success(cluster, run_id: str) -> None:
     api: Api = cluster["api"]
 
     def terminal():
         state = api.dag_run(DAG_ID, run_id)["state"]
         return state if state in ("success", "failed") else None
 
-    state = wait_for(f"run {run_id} to finish", terminal, timeout_s, every=1.0,
-                     diagnose=lambda: _diagnose(cluster, run_id))
+    state = _wait(cluster, run_id, f"run {run_id} to finish", terminal, every=2.0)
     assert state == "success", f"run {run_id} {state}\n{_diagnose(cluster, run_id)}"
 
 
@@ -424,8 +444,8 @@ def test_rollout_worker_sigkilled_mid_batch(cluster):
         killed_at = time.monotonic()
     finally:
         _release(cluster, experiment, batch)
-    wait_for(f"{ROLLOUT}[{batch}] to succeed again", lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success",
-             300, diagnose=lambda: _diagnose(cluster, run_id))
+    _wait(cluster, run_id, f"{ROLLOUT}[{batch}] to succeed again",
+          lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success")
     recovery_s = time.monotonic() - killed_at
     _wait_success(cluster, run_id)
     print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; unit recovered in {recovery_s:.1f}s")
@@ -466,8 +486,8 @@ def test_ray_head_restarted_during_epoch(cluster):
     local_head.start(cluster["head_state"], port=ray_port, dashboard_port=dash_port, num_cpus=2)
     head_down_s = time.monotonic() - stopped_at
     print(f"head back after {head_down_s:.1f}s")
-    wait_for(f"{ROLLOUT}[{batch}] to succeed again", lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success",
-             300, diagnose=lambda: _diagnose(cluster, run_id))
+    _wait(cluster, run_id, f"{ROLLOUT}[{batch}] to succeed again",
+          lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success")
     recovery_s = time.monotonic() - stopped_at
     _wait_success(cluster, run_id)
     print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; unit recovered {recovery_s:.1f}s after the stop")
@@ -498,9 +518,8 @@ def test_scheduler_restarted_during_run(cluster):
     try:
         _wait_held(cluster, run_id, held)
         # Kill while no task holds a worker slot (the held rollout is deferred in the triggerer).
-        wait_for("no running task instance", lambda: not {"running", "queued"} & set(
-            states(cluster["api"].task_instances(DAG_ID, run_id)).values()), 60, every=0.3,
-            diagnose=lambda: _diagnose(cluster, run_id))
+        _wait(cluster, run_id, "no running task instance", lambda: not {"running", "queued"} & set(
+            states(cluster["api"].task_instances(DAG_ID, run_id)).values()), every=0.3)
         print(f"\nbatch {batch} held; SIGKILL the scheduler's process group ({scheduler.proc.pid})")
         killed_at = time.monotonic()
         scheduler.kill(signal.SIGKILL)
@@ -509,8 +528,8 @@ def test_scheduler_restarted_during_run(cluster):
     time.sleep(rng.uniform(3, 8))
     scheduler.start()
     restarted_at = time.monotonic()
-    wait_for(f"{ROLLOUT}[{batch}] to succeed", lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success",
-             300, diagnose=lambda: _diagnose(cluster, run_id))
+    _wait(cluster, run_id, f"{ROLLOUT}[{batch}] to succeed",
+          lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success")
     recovery_s = time.monotonic() - killed_at
     _wait_success(cluster, run_id)
     print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; held unit done {recovery_s:.1f}s after "
