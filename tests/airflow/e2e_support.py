@@ -192,7 +192,10 @@ class Api:
         self.base = base_url.rstrip("/")
         self.token: str | None = None
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 30) -> Any:
+    # A poll that gives up leaves its request running in the api-server (one process, shared with the
+    # workers' execution API); polling again at once piles requests up on a starved machine until
+    # the workers' calls time out and their tasks stay queued. So: wait long for each answer.
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 180) -> Any:
         for attempt in range(2):
             data = None if body is None else json.dumps(body).encode()
             req = urllib.request.Request(self.base + path, data=data, method=method)

@@ -280,15 +280,22 @@ class Watch:
                                 credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
         self.layout = Layout(EXPERIMENT)
         self.ray = RayJobBackend(RayTarget(stack["head"].address, read_token(stack["head"].token_file)))
+        self._jobs: tuple[float, tuple] = (0.0, ())
 
     def jobs(self) -> dict[str, str]:
         return {j.submission_id: str(getattr(j.status, "value", j.status)) for j in self.ray.client.list_jobs()
                 if (j.submission_id or "").startswith(f"vt-{EXPERIMENT}-")}
 
+    def _recent_jobs(self) -> tuple:
+        """The jobs' statuses, listed at most every 10 s (the dashboard also serves the triggers)."""
+        if time.monotonic() - self._jobs[0] > 10:
+            self._jobs = (time.monotonic(), tuple(sorted(self.jobs().items())))
+        return self._jobs[1]
+
     def picture(self) -> tuple:
         tis = self.api.task_instances(DAG_ID, self.run_id)
         return (tuple((ti_key(t), t["state"], t["try_number"]) for t in tis),
-                len(self.store.list(self.layout.events + "/")), tuple(sorted(self.jobs().items())))
+                len(self.store.list(self.layout.events + "/")), self._recent_jobs())
 
     def diagnose(self) -> str:
         parts = [f"load average {os.getloadavg()} on {os.cpu_count()} cores"]
