@@ -152,7 +152,7 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
         ref_store = tmp_path / "reference"
         ref_log = open(tmp_path / "reference.log", "w")
         stop.callback(ref_log.close)
-        reference = subprocess.Popen(["nice", "-n", "15", sys.executable, "-c", REFERENCE, str(yaml_path),
+        reference = subprocess.Popen(["nice", "-n", "5", sys.executable, "-c", REFERENCE, str(yaml_path),
                                       str(ref_store)], stdout=subprocess.PIPE, stderr=ref_log, text=True,
                                      cwd=str(tmp_path))
         stop.callback(lambda: reference.poll() is None and reference.kill())
@@ -454,7 +454,12 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     assert all(j.endswith("-a1") for j in jobs), jobs
 
     # same weights as the fault-free reference
-    out, _ = stack["reference"].communicate(timeout=300)
+    def ref_files() -> list[tuple[str, int]]:  # the reference's progress: what it has written so far
+        return sorted((str(p), p.stat().st_size) for p in stack["ref_store"].rglob("*") if p.is_file())
+
+    wait_for("the fault-free reference run", lambda: stack["reference"].poll() is not None, STALL_S, every=POLL_S,
+             progress=ref_files, diagnose=lambda: (stack["tmp"] / "reference.log").read_text()[-4000:])
+    out, _ = stack["reference"].communicate(timeout=60)
     assert stack["reference"].returncode == 0, (stack["tmp"] / "reference.log").read_text()[-4000:]
     reference = json.loads(out.strip().splitlines()[-1])
     latest = status(cfg, store)["latest_snapshot"]
