@@ -331,6 +331,8 @@ class RayJobBackend:
                 if not is_transient(err):
                     raise
                 delay = backoff.next_delay()
+                if delay is None and not self.retry_s:
+                    raise  # the caller retries (the trigger, with asyncio.sleep)
                 if delay is None:
                     raise RayUnavailable(f"Ray dashboard at {self.target.address}: {what} still failing after "
                                          f"{self.retry_s:g}s of retries ({RETRY_ENV}); last error: {err}") from err
