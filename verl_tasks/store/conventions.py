@@ -107,12 +107,13 @@ def quarantine_records(store: ObjectStore, keys: list[str] | set[str]) -> list[d
         if at < 0:
             continue
         unit = key[:at]
+        reason, attempt = "", None
         try:
             body = json.loads(store.get(key))
-            reason, marker = str(body.get("reason", "")), json.loads(body.get("marker", ""))
-            attempt = marker.get("attempt") if isinstance(marker, dict) else None
-        except (NotFound, ValueError, TypeError, AttributeError):
-            reason, attempt = "", None
+            reason = str(body.get("reason", ""))
+            attempt = json.loads(body["marker"]).get("attempt")
+        except (NotFound, ValueError, TypeError, AttributeError, KeyError):
+            pass  # an unreadable record still names its unit
         out.append({"unit": unit, "record": key, "reason": reason, "attempt": attempt,
                     "created": stamp_time(key.rsplit("/", 1)[-1]), "recovered": f"{unit}/{MARKER}" in present})
     return out
