@@ -163,7 +163,7 @@ def test_escalate_enters_safe_mode_and_resume_leaves_it(copy):
 
     ctx = copy["ctx"]
     summary = escalate(ctx.config, [{"unit": ctx.layout.update(2), "error": "OOM", "try_number": 4}],
-                       "update failed after 3 retries")
+                       "update failed after 3 retries", config_path=copy["yaml"])
     assert "update failed after 3 retries" in summary["summary"] and "verl-tasks resume" in summary["what_to_do"]
     with pytest.raises(SafeMode, match="safe mode"):
         train(make_context(util.config(copy["uri"], epochs=3)), 3)

@@ -60,16 +60,35 @@ def run(
     experiment: Optional[str] = typer.Option(None, help="experiment name (overrides the YAML)"),
     epochs: Optional[int] = typer.Option(None, help="train until this many epochs are committed"),
     report: Optional[Path] = typer.Option(None, help="write the reward/accuracy curve as a Markdown table here"),
+    resume_from: Optional[str] = typer.Option(
+        None, "--resume-from", metavar="EXPERIMENT[:VERSION]",
+        help="start this new experiment from that experiment's snapshot VERSION (default: its latest) in the same store"),
+    backend: str = typer.Option("inline", help="inline: in this process; ray: on Ray worker pools"),
+    ray_address: Optional[str] = typer.Option(
+        None, help="with --backend ray: the cluster's GCS address HOST:PORT; default: start a local head, stop it after"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Run every phase inline, in order, resuming from whatever is committed."""
+    """Run every phase in order, resuming from whatever is committed (inline, or on Ray worker pools)."""
     _setup_logging(verbose)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from verl_tasks.runner import epoch_units, make_context, train
+    from contextlib import ExitStack
 
+    from verl_tasks.runner import epoch_units, make_context, run_in_process, train
+
+    stack = ExitStack()
     try:
         cfg = _load(config, store, experiment, epochs)
+        if backend not in ("inline", "ray"):
+            raise typer.BadParameter(f"--backend {backend!r}: use inline or ray")
+        run_units = run_in_process
+        if backend == "ray":
+            from verl_tasks.execution.cli_cluster import connect
+
+            cfg.storage.uri = _absolute_uri(cfg.storage.uri)  # the workers' working folder is not ours
+            run_units = connect(stack, cfg, ray_address, console)
         ctx = make_context(cfg)
+        if resume_from:
+            _start_from(ctx, resume_from)
         total = sum(len(epoch_units(ctx, e, cfg.epochs)) for e in range(cfg.epochs))
         started = time.monotonic()
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -83,7 +102,7 @@ def run(
                     bar.advance(task)
                     bar.update(task, description=f"{cfg.experiment} epoch {epoch} {phase}" + (f" b{batch}" if batch is not None else ""))
 
-            result = train(ctx, cfg.epochs, progress)
+            result = train(ctx, cfg.epochs, progress, run_units)
         _print_summary(result)
         if report:
             from verl_tasks.report import curve_markdown
@@ -97,6 +116,24 @@ def run(
         raise typer.Exit(code=130)
     except VerlTasksError as err:
         _fail(err)
+    finally:
+        stack.close()
+
+
+def _absolute_uri(uri: str) -> str:
+    if uri.startswith("file://") and not uri.startswith("file:///"):
+        return "file://" + str(Path(uri[len("file://"):]).resolve())
+    return uri
+
+
+def _start_from(ctx, source: str) -> None:
+    """Seed the experiment's base from another experiment's snapshot (the policy Airflow's configure uses)."""
+    from verl_tasks.execution.lineage import parse_source, start_experiment
+
+    parent, version = parse_source(source)
+    origin = start_experiment(ctx.store, ctx.config, resume="snapshot", parent=parent, version=version)["parent"]
+    console.print(f"{ctx.config.experiment} starts from {origin['experiment']} snapshot {origin['version']} "
+                  f"(weights sha256 {str(origin.get('weights_sha256'))[:16]})")
 
 
 def _print_summary(result: dict) -> None:
@@ -284,19 +321,22 @@ def resume(
     store: Optional[str] = typer.Option(None),
     experiment: Optional[str] = typer.Option(None),
 ) -> None:
-    """Leave safe mode; then unpause the DAG (or `verl-tasks run`) to continue."""
+    """Leave safe mode; then continue as printed (Clear in Airflow, or `verl-tasks run`)."""
     _setup_logging(False)
     from verl_tasks.layout import Layout
-    from verl_tasks.ops.safe_mode import leave_safe_mode
-    from verl_tasks.runner import store_for
+    from verl_tasks.ops.safe_mode import after_resume, cli_command, leave_safe_mode
+    from verl_tasks.store import store_for
 
     try:
         cfg = _load(config, store, experiment)
         left = leave_safe_mode(store_for(cfg), Layout(cfg.experiment))
     except VerlTasksError as err:
         _fail(err)
-    console.print(f"{cfg.experiment} left safe mode; unpause the DAG or run `verl-tasks run`" if left
-                  else f"{cfg.experiment} was not in safe mode")
+    if left is None:
+        console.print(f"{cfg.experiment} was not in safe mode")
+        return
+    console.print(f"{cfg.experiment} left safe mode; {after_resume(left, cli_command('run', cfg, config))}",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover - console entry

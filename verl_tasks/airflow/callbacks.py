@@ -4,11 +4,16 @@ Tiered response:
 
 1. a failed attempt is retried by Airflow (``on_retry_callback`` records it in the store);
 2. if more than ``fault_tolerance.max_failed_batch_fraction`` of an epoch's batches have
-   failed at least once, or a unit fails after all its retries (``on_failure_callback``),
-   the experiment enters **safe mode**: ``control/safe_mode.json`` is written, so no unit of
-   that experiment starts anywhere until ``verl-tasks resume``; the DAG is paused through the
-   REST API (connection ``verl_airflow_api``) when one is configured; and the optional
-   user callback (``VERL_TASKS_FAILURE_CALLBACK=module:function``) gets the summary.
+   failed at least once since the experiment last left safe mode, or a unit fails after
+   all its retries (``on_failure_callback``), the experiment enters **safe mode**:
+   ``control/safe_mode.json`` is written, so no unit of that experiment starts anywhere;
+   the DAG is paused through the REST API (connection ``verl_airflow_api``) when one is
+   configured; and the optional user callback (``VERL_TASKS_FAILURE_CALLBACK=module:function``)
+   gets the summary;
+3. a person resumes: ``verl-tasks resume`` or a **Clear** of the failed tasks. The operators
+   call :func:`lift_safe_mode_if_cleared` first: the first try after a clear lifts safe mode
+   (an automatic retry never does) and the event log records the clear, with the user when
+   Airflow's audit log names one.
 """
 from __future__ import annotations
 
@@ -16,15 +21,26 @@ import importlib
 import json
 import logging
 import os
+import urllib.parse
 import urllib.request
+from datetime import datetime, timezone
 from typing import Any
 
 from verl_tasks.events import read_events, record_event
 from verl_tasks.layout import Layout
+from verl_tasks.ops.safe_mode import (
+    first_try_after_clear,
+    leave_safe_mode,
+    note_dag_pause,
+    read_safe_mode,
+    since_resume,
+)
 
 log = logging.getLogger(__name__)
 API_CONN_ID = os.environ.get("VERL_TASKS_AIRFLOW_API_CONN", "verl_airflow_api")
 TASK_FAILED = "task_failed"
+# Audit-log events of a person's clear: a task instance (UI, REST) or a whole DAG run.
+CLEAR_EVENTS = ("post_clear_task_instances", "clear_dag_run")
 
 
 def _unit_info(context: dict[str, Any]) -> tuple[Any, Any, Any, str, dict[str, Any]]:
@@ -44,27 +60,77 @@ def _unit_info(context: dict[str, Any]) -> tuple[Any, Any, Any, str, dict[str, A
     return cfg, store, layout, unit, info
 
 
-def pause_dag(dag_id: str, conn_id: str = API_CONN_ID) -> str:
-    """Pause a DAG through the REST API v2; returns what happened (never raises)."""
+def _api(path: str, body: dict[str, Any] | None = None, method: str = "GET", conn_id: str = API_CONN_ID) -> Any:
+    """One call to Airflow's REST API v2 through connection ``conn_id``.
+
+    Raises:
+        LookupError: there is no such connection.
+        OSError, ValueError: the call failed.
+    """
     try:
         from airflow.sdk import BaseHook
 
         conn = BaseHook.get_connection(conn_id)
-    except Exception:  # noqa: BLE001 - no connection: the safe-mode file still halts the experiment
-        return f"DAG not paused automatically (no Airflow connection {conn_id!r}); pause it in the UI"
+    except Exception as err:  # noqa: BLE001 - any lookup failure means "not configured"
+        raise LookupError(conn_id) from err
     base = f"{conn.schema or 'http'}://{conn.host}:{conn.port or 8080}".rstrip("/")
     headers = {"Content-Type": "application/json"}
+    if conn.login:
+        login = json.dumps({"username": conn.login, "password": conn.password or ""}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/auth/token", login, headers), timeout=10) as resp:
+            headers["Authorization"] = f"Bearer {json.loads(resp.read())['access_token']}"
+    data = json.dumps(body).encode() if body is not None else None
+    with urllib.request.urlopen(urllib.request.Request(base + path, data, headers, method=method), timeout=10) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def pause_dag(dag_id: str, conn_id: str = API_CONN_ID) -> tuple[bool, str]:
+    """Pause a DAG through the REST API v2; returns (paused, what happened). Never raises."""
     try:
-        if conn.login:
-            body = json.dumps({"username": conn.login, "password": conn.password or ""}).encode()
-            with urllib.request.urlopen(urllib.request.Request(f"{base}/auth/token", body, headers), timeout=10) as resp:
-                headers["Authorization"] = f"Bearer {json.loads(resp.read())['access_token']}"
-        request = urllib.request.Request(f"{base}/api/v2/dags/{dag_id}", json.dumps({"is_paused": True}).encode(),
-                                         headers, method="PATCH")
-        with urllib.request.urlopen(request, timeout=10):
-            return f"DAG {dag_id} paused"
+        _api(f"/api/v2/dags/{urllib.parse.quote(dag_id)}", {"is_paused": True}, "PATCH", conn_id)
+        return True, f"DAG {dag_id} paused"
+    except LookupError:
+        return False, f"DAG {dag_id} not paused (no Airflow connection {conn_id!r}); the safe-mode file halts it"
     except Exception as err:  # noqa: BLE001 - report, the safe-mode file is the real guard
-        return f"DAG {dag_id} not paused ({type(err).__name__}); pause it in the UI"
+        return False, f"DAG {dag_id} not paused ({type(err).__name__}); the safe-mode file halts it"
+
+
+def cleared_by(dag_id: str, since: float | None, conn_id: str = API_CONN_ID) -> str | None:
+    """The user of the newest clear of ``dag_id`` after ``since`` in Airflow's audit log, or None. Never raises."""
+    query = [("dag_id", dag_id), ("order_by", "-when"), ("limit", "1")] + [("included_events", e) for e in CLEAR_EVENTS]
+    if since:
+        query.append(("after", datetime.fromtimestamp(since, timezone.utc).isoformat()))
+    try:
+        logs = _api("/api/v2/eventLogs?" + urllib.parse.urlencode(query), conn_id=conn_id).get("event_logs") or []
+    except Exception as err:  # noqa: BLE001 - the user is a detail of the record, never a reason to fail
+        log.info("who cleared %s is unknown (%s)", dag_id, type(err).__name__)
+        return None
+    return str(logs[0].get("owner")) if logs and logs[0].get("owner") else None
+
+
+def lift_safe_mode_if_cleared(context: dict[str, Any], cfg: Any, store: Any) -> bool:
+    """A person's Clear is the confirmation safe mode asks for: its first try lifts safe mode.
+
+    Returns True when this try lifted it. Automatic retries (and first tries) leave it in place.
+    """
+    ti, task = context.get("ti"), context.get("task")
+    if ti is None or task is None:
+        return False
+    if not first_try_after_clear(int(ti.try_number), int(ti.max_tries), int(task.retries or 0)):
+        return False
+    layout = Layout(cfg.experiment)
+    record = read_safe_mode(store, layout)
+    if record is None:
+        return False
+    user = cleared_by(ti.dag_id, record.get("entered_at"))
+    where = f"{ti.task_id}" + (f"[{ti.map_index}]" if getattr(ti, "map_index", -1) >= 0 else "")
+    lifted = leave_safe_mode(store, layout, by="clear", user=user, task_id=ti.task_id,
+                             map_index=getattr(ti, "map_index", -1), run_id=ti.run_id, try_number=ti.try_number,
+                             note=f"safe mode lifted by a clear of {where} in {ti.run_id}"
+                                  + (f" by {user}" if user else ""))
+    if lifted is not None:
+        log.warning("safe mode of %s lifted by a clear of %s%s", cfg.experiment, where, f" by {user}" if user else "")
+    return lifted is not None
 
 
 def _notify(summary: dict[str, Any]) -> None:
@@ -78,30 +144,41 @@ def _notify(summary: dict[str, Any]) -> None:
         log.warning("failure callback %s raised %s", target, err)
 
 
-def _halt(context: dict[str, Any], cfg: Any, store: Any, failed: list[dict[str, Any]], reason: str) -> dict[str, Any]:
+def _halt(context: dict[str, Any], cfg: Any, store: Any, failed: list[dict[str, Any]],
+          reason: str) -> dict[str, Any] | None:
+    """Safe mode first (the guard), then pause the DAG, then record whether it really was paused.
+
+    An experiment already halted keeps its record: the units safe mode refuses fail too,
+    and must not overwrite why it was halted and what to do.
+    """
     from verl_tasks.ops.safe_mode import escalate
 
-    summary = escalate(cfg, failed, reason, store=store)
-    dag_id = getattr(context.get("dag"), "dag_id", None) or getattr(context.get("ti"), "dag_id", "")
-    summary["paused"] = pause_dag(dag_id) if dag_id else "no DAG id"
-    log.error("SAFE MODE: %s\n%s\n%s", summary["summary"], summary["what_to_do"], summary["paused"])
+    if read_safe_mode(store, Layout(cfg.experiment)) is not None:
+        log.info("%s is already in safe mode; %s", cfg.experiment, reason)
+        return None
+    dag_id = getattr(context.get("dag"), "dag_id", None) or getattr(context.get("ti"), "dag_id", None)
+    summary = escalate(cfg, failed, reason, store=store, config_path=context["task"].config_path, dag_id=dag_id)
+    if dag_id:
+        paused, detail = pause_dag(dag_id)
+        summary = note_dag_pause(store, Layout(cfg.experiment), paused, detail) or summary
+    log.error("SAFE MODE: %s\n%s", summary["summary"], summary["what_to_do"])
     _notify(summary)
     return summary
 
 
 def on_retry(context: dict[str, Any]) -> None:
-    """Record the failed try; escalate when too many of the epoch's batches have failed."""
+    """Record the failed try; escalate when too many of the epoch's batches have failed since the last resume."""
     cfg, store, layout, unit, info = _unit_info(context)
     task = context["task"]
     record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, **info)
     if task.batch is None:
         return
     failed_batches = {
-        (e.get("phase"), e.get("batch"))
-        for e in read_events(store, layout)
+        e.get("batch")
+        for e in since_resume(read_events(store, layout))
         if e.get("kind") == TASK_FAILED and e.get("epoch") == task.epoch and e.get("batch") is not None
     }
-    share = len({b for _, b in failed_batches}) / cfg.rollout.batches_per_epoch
+    share = len(failed_batches) / cfg.rollout.batches_per_epoch
     if share > cfg.fault_tolerance.max_failed_batch_fraction:
         _halt(context, cfg, store, [info],
               f"{share:.0%} of epoch {task.epoch}'s batches failed (limit "

@@ -20,6 +20,7 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup
 from verl_tasks.airflow import callbacks, runconfig
 from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
 from verl_tasks.config import NAME_PATTERN, TRIGGER_OVERRIDABLE, parse_config
+from verl_tasks.execution.lineage import RESUME_MODES
 from verl_tasks.phase_registry import PHASES
 
 GPU_POOL = "verl_gpu"
@@ -46,10 +47,12 @@ def _params(raw: dict[str, Any], cfg) -> dict[str, Param]:
         "experiment": Param(cfg.experiment, type="string", pattern=NAME_PATTERN.pattern, title="Experiment name",
                             description="Storage prefix of the run. Reuse a name to resume it; a different "
                                         "hyperparameter under an existing name is refused."),
-        "resume": Param("latest", enum=list(runconfig.RESUME_MODES), title="Resume",
+        "resume": Param("latest", enum=list(RESUME_MODES), title="Resume",
                         description="latest: continue from what is committed. fresh: the name must be new. "
-                                    "snapshot: a new experiment starting from snapshot `from_snapshot` of `parent`."),
-        "from_snapshot": Param(None, type=["null", "integer"], minimum=0, title="From snapshot (resume=snapshot)"),
+                                    "snapshot: a new experiment starting from snapshot `from_snapshot` (default: the "
+                                    "latest) of `parent`, in the same store."),
+        "from_snapshot": Param(None, type=["null", "integer"], minimum=0, title="From snapshot (resume=snapshot)",
+                               description="A snapshot version of `parent`; empty: its latest snapshot."),
         "parent": Param(None, type=["null", "string"], title="Parent experiment (resume=snapshot)",
                         description=f"Defaults to {cfg.experiment!r}."),
         "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=cfg.epochs, title="Epochs",

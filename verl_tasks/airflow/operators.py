@@ -30,6 +30,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from verl_tasks.airflow import runconfig
+from verl_tasks.airflow.callbacks import lift_safe_mode_if_cleared
 from verl_tasks.airflow.connections import s3_access
 from verl_tasks.errors import ConfigError, JobFailed, PhaseFailed, SafeMode
 from verl_tasks.execution import UnitSpec
@@ -71,10 +72,14 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
     * ``resume=latest``: pin the config; a changed hyperparameter under an existing
       experiment name fails with :class:`ConfigMismatch` listing the differing keys.
     * ``resume=fresh``: the experiment name must be new.
-    * ``resume=snapshot``: a new experiment whose base is snapshot ``from_snapshot`` of
-      ``parent`` (default: the YAML's experiment).
+    * ``resume=snapshot``: a new experiment whose base is snapshot ``from_snapshot`` (default:
+      the latest) of ``parent`` (default: the YAML's experiment), in the same store.
     * scheduled / asset-triggered runs: a new experiment per run; with ``schedule.parent``
       its base is the parent's latest snapshot (continual training).
+
+    The policy is :func:`verl_tasks.execution.lineage.start_experiment`, which
+    ``verl-tasks run --resume-from`` uses too. An experiment in safe mode is refused,
+    unless this try is the first after a person's Clear (which lifts safe mode).
     """
 
     ui_color = "#e8f0fe"
@@ -85,50 +90,24 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         self.aws_conn_id = aws_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
+        from verl_tasks.execution.lineage import start_experiment
+        from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
+
         params = dict(context.get("params") or {})
         cfg, access = self.resolve(context)
         store = self.store(cfg, access)
-        layout = Layout(cfg.experiment)
-        exists = store.exists(layout.experiment_json)
-        if store.exists(layout.safe_mode):
-            raise SafeMode(
-                f"experiment {cfg.experiment!r} is in safe mode; see `verl-tasks status`, fix the cause, run "
-                f"`verl-tasks resume CONFIG --experiment {cfg.experiment}`, then trigger again"
-            )
-        mode = params.get("resume") or "latest"
-        if mode not in runconfig.RESUME_MODES:
-            raise ConfigError(f"params.resume={mode!r}; use one of {runconfig.RESUME_MODES}")
-        parent = None
+        lift_safe_mode_if_cleared(context, cfg, store)
+        halted = read_safe_mode(store, Layout(cfg.experiment))
+        if halted is not None:
+            raise SafeMode(halted_message(cfg.experiment, halted))
         scheduled = runconfig.run_type_of(context.get("dag_run")) in runconfig.SCHEDULED_RUN_TYPES
-        if mode == "fresh" and exists:
-            raise ConfigError(f"experiment {cfg.experiment!r} already exists in {cfg.storage.uri}; "
-                              f"pick a new name or use resume=latest")
-        from verl_tasks.execution.lineage import latest_version, seed_base_from
-
-        if mode == "snapshot":
-            if params.get("from_snapshot") is None:
-                raise ConfigError("resume=snapshot needs params.from_snapshot (a snapshot version)")
-            source = params.get("parent") or runconfig.read_yaml(self.config_path)["experiment"]
-            if source == cfg.experiment:
-                raise ConfigError("resume=snapshot starts a new experiment: set params.experiment to a new name")
-            parent = (source, int(params["from_snapshot"]))
-        elif scheduled and cfg.schedule.parent:
-            version = latest_version(store, cfg.schedule.parent)
-            if version is None:
-                self.log.info("parent %s has no snapshot yet; starting from the configured base", cfg.schedule.parent)
-            else:
-                parent = (cfg.schedule.parent, version)
-        from verl_tasks.phases.common import PhaseContext
-        from verl_tasks.phases.prepare import pin_experiment
-
-        origin = None
-        if parent:
-            origin = seed_base_from(store, cfg.experiment, parent[0], parent[1], cfg.seed)["parent"]
-        pinned = pin_experiment(PhaseContext(cfg, store), parent=origin)
-        self.log.info("experiment %s pinned (config %s) in %s; resume=%s parent=%s",
-                      cfg.experiment, cfg.config_hash()[:12], cfg.storage.uri, mode, origin)
-        return {"experiment": cfg.experiment, "config_hash": cfg.config_hash(), "resume": mode,
-                "epochs": cfg.epochs, "parent": pinned.get("parent"), "store": cfg.storage.uri}
+        mode = params.get("resume") or "latest"
+        parent = params.get("parent") or runconfig.read_yaml(self.config_path)["experiment"]
+        version = params.get("from_snapshot")
+        started = start_experiment(store, cfg, resume=mode, parent=parent if mode == "snapshot" else None,
+                                   version=None if version is None else int(version),
+                                   scheduled_parent=cfg.schedule.parent if scheduled else None)
+        return {**started, "epochs": cfg.epochs, "store": cfg.storage.uri}
 
 
 class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
@@ -207,6 +186,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         if reason:
             raise AirflowSkipException(reason)
         store = self.store(cfg, access)
+        lift_safe_mode_if_cleared(context, cfg, store)
         spec = self._spec(cfg)
         unit = Layout(cfg.experiment).unit(self.phase, self.epoch, self.batch)
         record = read_marker(store, unit)

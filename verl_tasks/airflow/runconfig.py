@@ -25,7 +25,6 @@ HYPERPARAMETERS = {
     "clip_ratio_high": ("algorithm.clip_ratio_high", "number"),
     "prompts_per_batch": ("rollout.prompts_per_batch", "integer"),
 }
-RESUME_MODES = ("latest", "fresh", "snapshot")
 NAME_LIMIT = 128  # characters in an experiment name (config.NAME_PATTERN)
 SCHEDULED_RUN_TYPES = ("scheduled", "asset_triggered", "backfill")
 

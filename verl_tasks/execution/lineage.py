@@ -4,14 +4,18 @@ The new experiment's base snapshot (version 0) becomes a copy of the parent's
 snapshot ``version``: weights, model config and tokenizer are copied server-side,
 the optimizer starts fresh and ``trainer_state.json`` records the parent. The
 copy is an ordinary unit commit, so it is idempotent: a retried or re-run
-``configure`` task finds the marker and does nothing. Belongs in the core
-library (``phases/prepare.py``) eventually; it only uses the store's commit protocol.
+``configure`` task finds the marker and does nothing.
+
+:func:`start_experiment` is the resume/fork policy (latest, fresh, from a snapshot,
+scheduled child of a parent), shared by Airflow's ``configure`` task and
+``verl-tasks run --resume-from EXPERIMENT[:VERSION]``.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from verl_tasks.config import ExperimentConfig, check_name
 from verl_tasks.errors import ConfigError
 from verl_tasks.layout import Layout
 from verl_tasks.store import conventions
@@ -63,3 +67,73 @@ def seed_base_from(store: ObjectStore, experiment: str, parent: str, version: in
     record, won = writer.commit({"version": 0, "source": "parent", "parent": origin})
     log.info("base snapshot of %s %s from %s snapshot %d", experiment, "seeded" if won else "was already seeded", parent, version)
     return {"unit": target, "attempt": record.attempt, "parent": origin}
+
+
+RESUME_MODES = ("latest", "fresh", "snapshot")
+
+
+def parse_source(text: str) -> tuple[str, int | None]:
+    """``EXPERIMENT[:VERSION]`` -> (experiment, version or None for its latest snapshot). Raises ConfigError."""
+    name, sep, version = text.partition(":")
+    if sep and not version.isdigit():
+        raise ConfigError(f"{text!r}: write EXPERIMENT or EXPERIMENT:VERSION with VERSION a snapshot number, e.g. "
+                          f"{name}:3")
+    return check_name(name), int(version) if sep else None
+
+
+def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: str = "latest",
+                     parent: str | None = None, version: int | None = None,
+                     scheduled_parent: str | None = None) -> dict[str, Any]:
+    """Apply the resume/fork policy, then pin the experiment: Airflow's ``configure`` and ``verl-tasks run``.
+
+    Args:
+        resume: ``latest`` continues what is committed (a changed hyperparameter under an
+            existing name is refused by the pin); ``fresh`` needs a new name; ``snapshot``
+            starts a new experiment whose base is snapshot ``version`` of ``parent``.
+        parent, version: the fork's source (``version`` None: its latest snapshot).
+        scheduled_parent: continual training; the base is this experiment's latest snapshot
+            when it has one, else the configured base model.
+    Returns:
+        ``experiment``, ``config_hash``, ``resume`` and ``parent`` (the pinned origin or None).
+    Raises:
+        ConfigError: an unknown mode, a fresh name that exists, a fork onto itself or from a
+            missing snapshot, or a name that already starts from another snapshot.
+        ConfigMismatch: the experiment is pinned with another config.
+    """
+    if resume not in RESUME_MODES:
+        raise ConfigError(f"resume={resume!r}; use one of {RESUME_MODES}")
+    layout = Layout(config.experiment)
+    if resume == "fresh" and store.exists(layout.experiment_json):
+        raise ConfigError(f"experiment {config.experiment!r} already exists in {config.storage.uri}; "
+                          f"pick a new name or use resume=latest")
+    source: tuple[str, int] | None = None
+    if resume == "snapshot":
+        source = _fork_source(store, config.experiment, parent, version)
+    elif scheduled_parent:
+        newest = latest_version(store, check_name(scheduled_parent))
+        if newest is None:
+            log.info("parent %s has no snapshot yet; starting from the configured base", scheduled_parent)
+        else:
+            source = (scheduled_parent, newest)
+    from verl_tasks.phases.common import PhaseContext
+    from verl_tasks.phases.prepare import pin_experiment
+
+    origin = seed_base_from(store, config.experiment, source[0], source[1], config.seed)["parent"] if source else None
+    pinned = pin_experiment(PhaseContext(config, store), parent=origin)
+    log.info("experiment %s pinned (config %s) in %s; resume=%s parent=%s",
+             config.experiment, config.config_hash()[:12], config.storage.uri, resume, origin)
+    return {"experiment": config.experiment, "config_hash": config.config_hash(), "resume": resume,
+            "parent": pinned.get("parent")}
+
+
+def _fork_source(store: ObjectStore, experiment: str, parent: str | None, version: int | None) -> tuple[str, int]:
+    """(parent, version) of a fork; the latest snapshot when no version is given."""
+    if not parent:
+        raise ConfigError("resume=snapshot needs the parent experiment to start from")
+    if check_name(parent) == experiment:
+        raise ConfigError(f"a run from a snapshot starts a new experiment: pick a name other than {parent!r}")
+    if version is None:
+        version = latest_version(store, parent)
+        if version is None:
+            raise ConfigError(f"experiment {parent!r} has no published snapshot in this store to start from")
+    return parent, version

@@ -23,7 +23,7 @@ from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import WEIGHTS, load_policy
-from verl_tasks.ops.safe_mode import read_safe_mode
+from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
@@ -67,11 +67,9 @@ def set_determinism(config: ExperimentConfig) -> None:
 
 
 def check_not_halted(ctx: PhaseContext) -> None:
-    if read_safe_mode(ctx.store, ctx.layout) is not None:
-        raise SafeMode(
-            f"experiment {ctx.config.experiment!r} is in safe mode ({ctx.layout.safe_mode}); inspect with "
-            f"`verl-tasks status`, fix the cause, then run `verl-tasks resume --experiment {ctx.config.experiment}`"
-        )
+    halted = read_safe_mode(ctx.store, ctx.layout)
+    if halted is not None:
+        raise SafeMode(halted_message(ctx.config.experiment, halted))
 
 
 def committed(ctx: PhaseContext, unit: str) -> CommitRecord | None:
