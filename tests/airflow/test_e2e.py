@@ -207,6 +207,11 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
             "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
+            # On a busy 2-core machine a component's heartbeat lapses for tens of seconds (seen: the
+            # triggerer's, 43.6 s). Past 30 s (the default) the scheduler counts its own job dead and
+            # resets its queued and running task instances; the triggerer's triggers are reassigned.
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "120",
+            "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "120",
             # On a loaded 2-core machine the api-server's first execution-API call can take tens of
             # seconds; with the default 5 s timeout the worker retries and the retry gets HTTP 400.
             "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90",
