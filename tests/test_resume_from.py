@@ -1,0 +1,80 @@
+"""`verl-tasks run --resume-from EXPERIMENT[:VERSION]`: the fork policy Airflow's configure uses, from a shell."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from verl_tasks.cli import app
+from verl_tasks.config import load_config
+from verl_tasks.errors import ConfigError
+from verl_tasks.execution.lineage import parse_source, start_experiment
+from verl_tasks.layout import Layout
+from verl_tasks.runner import make_context, run_phase
+from verl_tasks.store.units import read_marker
+
+from .conftest import TINY_YAML, small_overrides, write_yaml
+
+FAST = {"epochs": 1, "evaluate.max_prompts": 8}
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory):
+    """A parent experiment whose published base (seed 99) differs from what the child would build (seed 7).
+
+    Each test forks it under its own child name.
+    """
+    tmp_path = tmp_path_factory.mktemp("resume-from")
+    uri = f"file://{tmp_path}/store"
+    cfg = load_config(TINY_YAML, {**small_overrides(**FAST), "seed": 99, "experiment": "parent-x", "storage.uri": uri})
+    ctx = make_context(cfg)
+    run_phase(ctx, "plan", 0)  # pins data and publishes snapshot 0 (latest.json)
+    return {"uri": uri, "ctx": ctx, "yaml": str(write_yaml(tmp_path, small_overrides(**FAST)))}
+
+
+def _weights(ctx, experiment: str, version: int) -> str:
+    return read_marker(ctx.store, Layout(experiment).snapshot(version)).files["model.safetensors"].sha256
+
+
+def test_run_resumed_from_another_experiments_snapshot_starts_from_its_weights(parent):
+    args = ["run", parent["yaml"], "--store", parent["uri"], "--experiment", "child-x", "--resume-from", "parent-x:0"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    ctx = parent["ctx"]
+    assert _weights(ctx, "child-x", 0) == _weights(ctx, "parent-x", 0)
+    pin = json.loads(ctx.store.get(Layout("child-x").experiment_json))
+    assert (pin["parent"]["experiment"], pin["parent"]["version"]) == ("parent-x", 0)
+    plan = read_marker(ctx.store, Layout("child-x").plan(0))
+    assert plan is not None and read_marker(ctx.store, Layout("child-x").snapshot(1)) is not None
+    assert "child-x starts from parent-x snapshot 0" in result.output
+    # the same command again continues the same fork (latest by default); nothing is redone
+    again = CliRunner().invoke(app, args[:-1] + ["parent-x"])
+    assert again.exit_code == 0, again.output
+    assert read_marker(ctx.store, Layout("child-x").plan(0)).attempt == plan.attempt
+
+
+@pytest.mark.parametrize("source,message", [
+    ("parent-x:latest", "EXPERIMENT:VERSION with VERSION a snapshot number"),
+    ("parent-x:7", "has no committed snapshot 7"),
+    ("nobody", "'nobody' has no published snapshot"),
+    ("../parent-x", "invalid experiment name"),
+    ("child-y", "pick a name other than 'child-y'"),
+])
+def test_resume_from_refuses_bad_sources_with_one_line(parent, source, message):
+    args = ["run", parent["yaml"], "--store", parent["uri"], "--experiment", "child-y", "--resume-from", source]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert not parent["ctx"].store.exists(Layout("child-y").experiment_json)
+
+
+def test_policy_is_shared_with_airflow(parent):
+    ctx = parent["ctx"]
+    cfg = load_config(TINY_YAML, {**small_overrides(**FAST), "experiment": "child-z", "storage.uri": parent["uri"]})
+    with pytest.raises(ConfigError, match="resume='later'"):
+        start_experiment(ctx.store, cfg, resume="later")
+    with pytest.raises(ConfigError, match="already exists"):
+        start_experiment(ctx.store, ctx.config, resume="fresh")
+    started = start_experiment(ctx.store, cfg, scheduled_parent="parent-x")
+    assert started["parent"]["version"] == 0 and _weights(ctx, "child-z", 0) == _weights(ctx, "parent-x", 0)
+    assert parse_source("parent-x") == ("parent-x", None) and parse_source("parent-x:12") == ("parent-x", 12)
