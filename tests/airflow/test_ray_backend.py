@@ -1,20 +1,53 @@
-"""The Ray backend against a real local Ray head (token auth on): ids, attach, next attempt, deferral."""
+"""The Ray backend against a real local Ray head (token auth on): ids, attach, next attempt, deferral,
+typed errors across the job boundary, dashboard blips, and no credentials on the Ray side."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests import faults
 from tests.airflow.conftest import DAGS
+from tests.airflow.dashboard_proxy import DashboardProxy
 from verl_tasks.config import load_config
 from verl_tasks.execution import UnitSpec
+from verl_tasks.execution.outcome import parse_result
 from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, RayUnavailable, read_token, submission_id
 
 pytestmark = pytest.mark.slow
 TINY = str(DAGS / "experiments" / "tiny_arith.yaml")
+SECRET_ID = "AKIAVTH3RAYSIDE0001"
+SECRET = "vt-h3-secret-7c2e9b-never-on-ray"
+
+
+def _backend(ray_head, **kwargs) -> RayJobBackend:
+    return RayJobBackend(RayTarget(ray_head.address, read_token(ray_head.token_file)), **kwargs)
+
+
+def _ctx(**params):
+    return {"params": params, "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
+
+
+def _drain(trigger) -> dict:
+    async def first():
+        async for event in trigger.run():
+            return event.payload
+
+    return asyncio.run(first())
+
+
+@pytest.fixture
+def client_env(ray_head, tmp_path, monkeypatch):
+    for key, value in ray_head.client_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
+    return tmp_path
 
 
 def test_submission_ids_are_deterministic():
@@ -27,64 +60,148 @@ def test_without_token_the_head_refuses(ray_head):
         RayJobBackend(RayTarget(ray_head.address, None)).client.list_jobs()
 
 
-def test_retry_attaches_then_next_attempt(ray_head, fault_plan, tmp_path):
-    backend = RayJobBackend(RayTarget(ray_head.address, read_token(ray_head.token_file)))
+def test_retry_attaches_then_next_attempt(ray_head, tmp_path):
+    backend = _backend(ray_head)
     cfg = load_config(TINY, {"experiment": "rb-1", "storage.uri": f"file://{tmp_path}/store"})
     spec = UnitSpec("rb-1", "plan", 0)
+    blocker = tmp_path / "store" / "rb-1" / "data"  # a file where the prompts' folder must go: a real failure
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a folder")
     first = backend.submit(cfg, spec)
     again = backend.submit(cfg, spec)  # an Airflow retry while the first job is still live
     assert first.submitted and not again.submitted
     assert first.submission_id == again.submission_id == "vt-rb-1-e0-plan-a1"
     ids = [j.submission_id for j in backend.client.list_jobs() if j.submission_id.startswith("vt-rb-1-e0-plan-")]
     assert ids == ["vt-rb-1-e0-plan-a1"], ids
-    assert backend.wait(first.submission_id, timeout_s=300) == "SUCCEEDED", backend.logs(first.submission_id)[-3000:]
+    assert backend.wait(first.submission_id, timeout_s=300) == "FAILED"
+    result = parse_result(backend.logs(first.submission_id))
+    assert result["ok"] is False and result["unit"] == "rb-1/epochs/00000/plan" and result["error"]["type"], result
+    blocker.unlink()
+    retry = backend.submit(cfg, spec)  # the newest job failed -> attempt 2
+    assert retry.submission_id == "vt-rb-1-e0-plan-a2" and retry.submitted
+    assert backend.wait(retry.submission_id, timeout_s=300) == "SUCCEEDED", backend.logs(retry.submission_id)[-3000:]
+    assert parse_result(backend.logs(retry.submission_id))["ok"] is True
     assert (tmp_path / "store/rb-1/epochs/00000/plan/_SUCCESS").is_file()
     done = backend.submit(cfg, spec)
     assert done.status == "SUCCEEDED" and not done.submitted
-    # a failed attempt -> the next submission is attempt 2 (the test's fault hook in the Ray worker)
-    spec_b = UnitSpec("rb-1", "rollout", 0, 1)
-    fired = faults.fail_once(fault_plan, "rb-1", "rollout", 0, 1)
-    failed = backend.submit(cfg, spec_b)
-    assert backend.wait(failed.submission_id, timeout_s=120) == "FAILED"
-    assert "injected fault" in backend.logs(failed.submission_id) and fired.exists()
-    retry = backend.submit(cfg, spec_b)
-    assert retry.submission_id == "vt-rb-1-e0-rollout-b1-a2" and retry.submitted
-    assert backend.wait(retry.submission_id, timeout_s=300) == "SUCCEEDED"
 
 
-def test_operator_defers_and_completes_through_the_trigger(ray_head, fault_plan, tmp_path, monkeypatch):
+def test_deterministic_job_error_fails_the_task_without_retries(client_env):
+    from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+    from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
+    from verl_tasks.errors import ConfigMismatch, JobFailed
+
+    ConfigureExperimentOperator(task_id="configure", config_path=TINY).execute(_ctx(experiment="rb-3", lr=0.001))
+    op = VerlPhaseOperator(task_id="validate", config_path=TINY, phase="validate", epoch=0, backend="ray",
+                           ray_conn_id=None, poll_interval=0.5)
+    changed = _ctx(experiment="rb-3", lr=0.005)  # the YAML was edited after the experiment was pinned
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(changed)
+    event = _drain(deferred.value.trigger)
+    assert event["status"] == "FAILED" and event["result"]["error"]["type"] == "ConfigMismatch", event
+    with pytest.raises(AirflowFailException, match="rb-3/epochs/00000/validate") as failed:
+        op.execute_complete(changed, event, **deferred.value.kwargs)
+    cause = failed.value.__cause__
+    assert isinstance(cause, ConfigMismatch) and cause.differing_keys == ["algorithm.lr"]
+    assert isinstance(cause.__cause__, JobFailed) and cause.__cause__.submission_id == "vt-rb-3-e0-validate-a1"
+
+
+LIST_WORKERS = """
+import json, sys
+from ray.util.state import list_actors
+alive = list_actors(address=sys.argv[1], filters=[("class_name", "=", "PhaseWorker"), ("state", "=", "ALIVE")])
+print(json.dumps([actor.pid for actor in alive]))
+"""
+
+
+def _resident_worker_environments(ray_head) -> list[bytes]:
+    """The environment of every live resident PhaseWorker actor of this head, read from /proc.
+
+    The state API is asked from a fresh process: Ray reads its token settings once per process.
+    """
+    env = {**os.environ, **ray_head.client_env(), "RAY_AUTH_MODE": "token"}
+    out = subprocess.run([sys.executable, "-c", LIST_WORKERS, ray_head.address], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    return [Path(f"/proc/{pid}/environ").read_bytes() for pid in json.loads(out.strip().splitlines()[-1])]
+
+
+def test_operator_defers_and_completes_without_sending_credentials(client_env, ray_head, monkeypatch):
+    """An AWS connection with keys exists on the Airflow side only; nothing on the Ray side may show them."""
     from airflow.sdk.exceptions import TaskDeferred
+    from ray.job_submission import JobSubmissionClient
 
     from verl_tasks.airflow.operators import VerlPhaseOperator
-    from verl_tasks.errors import JobFailed
 
-    for key, value in ray_head.client_env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
-    faults.fail_once(fault_plan, "rb-2", "plan", 0)
-    ctx = {"params": {"experiment": "rb-2"},
-           "dag_run": SimpleNamespace(run_type="manual", logical_date=None, run_after=None, conf={})}
+    monkeypatch.setenv("AIRFLOW_CONN_VT_SECRET_S3", json.dumps({"conn_type": "aws", "login": SECRET_ID,
+                                                                "password": SECRET}))
+    ctx = _ctx(experiment="rb-2")
     op = VerlPhaseOperator(task_id="plan", config_path=TINY, phase="plan", epoch=0, backend="ray", ray_conn_id=None,
-                           poll_interval=0.5)
-
-    async def drain(trigger):
-        async for event in trigger.run():
-            return event.payload
-
+                           aws_conn_id="vt_secret_s3", poll_interval=0.5)
+    assert op.resolve(ctx)[1].credentials["aws_secret_access_key"] == SECRET  # the Airflow side has the keys
+    started = time.monotonic()
     with pytest.raises(TaskDeferred) as deferred:
         op.execute(ctx)
     trigger = deferred.value.trigger
     assert trigger.serialize()[0] == "verl_tasks.airflow.triggers.RayJobTrigger"
-    assert "token" not in str(trigger.serialize()[1]).lower()
-    event = asyncio.run(drain(trigger))
-    with pytest.raises(JobFailed) as failed:
-        op.execute_complete(ctx, event, **deferred.value.kwargs)
-    assert failed.value.submission_id == "vt-rb-2-e0-plan-a1" and "injected fault" in failed.value.log_tail
-    started = time.monotonic()
-    with pytest.raises(TaskDeferred) as deferred:  # the Airflow retry: attempt 2
-        op.execute(ctx)
-    event = asyncio.run(drain(deferred.value.trigger))
+    assert "token" not in str(trigger.serialize()[1]).lower() and SECRET not in str(trigger.serialize()[1])
+    event = _drain(trigger)
     out = op.execute_complete(ctx, event, **deferred.value.kwargs)
-    assert out["unit"] == "rb-2/epochs/00000/plan" and event["submission_id"] == "vt-rb-2-e0-plan-a2"
+    assert out["unit"] == "rb-2/epochs/00000/plan" and event["submission_id"] == "vt-rb-2-e0-plan-a1"
     print(f"plan as a Ray job through the trigger: {time.monotonic() - started:.1f}s")
     assert op.execute(ctx)["attempt"] == out["attempt"]  # cleared later: returns from the marker
+
+    client = JobSubmissionClient(ray_head.address, headers=RayTarget(ray_head.address, read_token(ray_head.token_file)).headers())
+    jobs = client.list_jobs()
+    assert any(job.submission_id == "vt-rb-2-e0-plan-a1" for job in jobs)
+    details = json.dumps([client.get_job_info(job.submission_id).dict() for job in jobs if job.submission_id] +
+                         [job.dict() for job in jobs], default=str)
+    for text in (SECRET, SECRET_ID):
+        assert text not in details  # entrypoint, runtime_env, metadata, message of every job
+    environments = _resident_worker_environments(ray_head)
+    assert environments, "no resident PhaseWorker actor found"
+    assert not any(SECRET.encode() in env or SECRET_ID.encode() in env for env in environments)
+
+
+def test_dashboard_blips_are_retried_by_submit_and_the_trigger(client_env, ray_head, monkeypatch, capsys):
+    from verl_tasks.airflow.triggers import RayJobTrigger
+
+    token = read_token(ray_head.token_file)
+    job_id = f"vt-blips-{int(time.time())}"
+    with DashboardProxy(ray_head.address) as proxy:
+        monkeypatch.setenv("VERL_TASKS_RAY_ADDRESS", proxy.url)
+        backend = RayJobBackend(RayTarget(proxy.url, token), retry_s=60)
+        proxy.fail_next(4)  # the client's version check and the submission meet resets and 503s
+        backend._submit_job(job_id, entrypoint="echo vt-blip-first && sleep 3 && echo vt-blip-last")
+        assert proxy.injected == {"reset": 2, "503": 2}
+        proxy.fail_next(4)
+        capsys.readouterr()
+        trigger = RayJobTrigger(job_id, None, poll_interval=0.3, retry_s=60, log_every_s=0.5)
+        event = _drain(trigger)
+    assert event["status"] == "SUCCEEDED" and proxy.injected == {"reset": 4, "503": 4}, (event, proxy.injected)
+    task_log = capsys.readouterr().out  # the triggerer's log (structlog writes to stdout)
+    assert task_log.count(f"polling job {job_id} failed transiently") == 4
+    assert task_log.count(f"[{job_id}] vt-blip-first ") == 1  # incremental: no line is logged twice
+    assert "vt-blip-last" in event["log_tail"]
+
+
+def test_after_the_bound_the_task_fails_naming_the_job(client_env, ray_head, monkeypatch):
+    from verl_tasks.airflow.operators import VerlPhaseOperator
+    from verl_tasks.airflow.triggers import RayJobTrigger
+    from verl_tasks.errors import JobFailed
+
+    job_id = "vt-rb-4-e0-plan-a1"
+    with DashboardProxy(ray_head.address) as proxy:
+        proxy.down = True
+        monkeypatch.setenv("VERL_TASKS_RAY_ADDRESS", proxy.url)
+        started = time.monotonic()
+        event = _drain(RayJobTrigger(job_id, None, poll_interval=0.2, retry_s=3))
+        waited = time.monotonic() - started
+        with pytest.raises(RayUnavailable, match="still failing after 2s"):
+            RayJobBackend(RayTarget(proxy.url, read_token(ray_head.token_file)), retry_s=2).status(job_id)
+    assert event["status"] == "UNREACHABLE" and job_id in event["error"] and "last error" in event["error"], event
+    assert 3 <= waited < 30, waited
+    op = VerlPhaseOperator(task_id="plan", config_path=TINY, phase="plan", epoch=0, backend="ray", ray_conn_id=None)
+    with pytest.raises(JobFailed, match=f"{job_id} ended UNREACHABLE") as failed:
+        op.execute_complete(_ctx(experiment="rb-4"), event)
+    assert failed.value.submission_id == job_id
