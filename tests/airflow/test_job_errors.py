@@ -142,3 +142,15 @@ def test_secrets_are_refused_in_a_job_environment():
     for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "RAY_AUTH_TOKEN", "HF_TOKEN", "DB_PASSWORD"):
         with pytest.raises(ConfigError, match=name):
             public_env({name: "x"})
+
+
+def test_a_bad_trigger_form_fails_a_phase_task_without_retries(tmp_path, monkeypatch):
+    from verl_tasks.airflow.operators import VerlPhaseOperator
+
+    monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
+    op = VerlPhaseOperator(task_id="plan", config_path=TINY, phase="plan", epoch=0, backend="inline")
+    bad = {"params": {"experiment": "../escape"},
+           "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
+    with pytest.raises(AirflowFailException, match="task plan: ConfigError") as failed:
+        op.execute(bad)
+    assert isinstance(failed.value.__cause__, ConfigError)

@@ -129,7 +129,6 @@ def _resident_worker_environments(ray_head) -> list[bytes]:
 def test_operator_defers_and_completes_without_sending_credentials(client_env, ray_head, monkeypatch):
     """An AWS connection with keys exists on the Airflow side only; nothing on the Ray side may show them."""
     from airflow.sdk.exceptions import TaskDeferred
-    from ray.job_submission import JobSubmissionClient
 
     from verl_tasks.airflow.operators import VerlPhaseOperator
 
@@ -151,7 +150,7 @@ def test_operator_defers_and_completes_without_sending_credentials(client_env, r
     print(f"plan as a Ray job through the trigger: {time.monotonic() - started:.1f}s")
     assert op.execute(ctx)["attempt"] == out["attempt"]  # cleared later: returns from the marker
 
-    client = JobSubmissionClient(ray_head.address, headers=RayTarget(ray_head.address, read_token(ray_head.token_file)).headers())
+    client = _backend(ray_head).client  # a plain JobSubmissionClient with the token
     jobs = client.list_jobs()
     assert any(job.submission_id == "vt-rb-2-e0-plan-a1" for job in jobs)
     details = json.dumps([client.get_job_info(job.submission_id).dict() for job in jobs if job.submission_id] +

@@ -181,7 +181,8 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         from verl_tasks.store.units import read_marker
 
-        cfg, access = self.resolve(context)
+        with fail_fast(f"task {self.task_id}"):  # a bad YAML or trigger form fails the same way on every try
+            cfg, access = self.resolve(context)
         reason = self._skip_reason(cfg)
         if reason:
             raise AirflowSkipException(reason)

@@ -21,8 +21,9 @@ class RayJobTrigger(BaseTrigger):
     with exponential backoff; after ``retry_s`` seconds of consecutive failures the
     event is ``{status: "UNREACHABLE", error: ...}`` naming the address and the last error.
 
-    Ray's log endpoint returns the whole log; it is fetched every ``log_every_s`` seconds
-    and once at the end, and only lines not shown yet go to the task log.
+    Ray's log endpoint returns the whole log (no offset; ``tail_job_logs`` streams over a
+    websocket but replays from the start on every reconnect); it is fetched every
+    ``log_every_s`` seconds and once at the end, and only lines not shown yet go to the task log.
 
     Args:
         submission_id: the Ray job.
