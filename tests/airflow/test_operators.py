@@ -27,6 +27,13 @@ def test_configure_refuses_changed_hyperparameter(store_root):
     first = op.execute(_ctx(experiment="exp-a", lr=0.001))
     assert first["experiment"] == "exp-a" and (store_root / ".store/exp-a/experiment.json").is_file()
     assert op.execute(_ctx(experiment="exp-a", lr=0.001))["config_hash"] == first["config_hash"]
+    from verl_tasks.layout import Layout
+    from verl_tasks.store import open_store
+    from verl_tasks.store.units import UnitWriter
+
+    writer = UnitWriter(open_store(f"file://{store_root}/.store"), Layout("exp-a").rollout(0, 0))
+    writer.write_json("samples.jsonl", {"x": 1})
+    writer.commit({"samples": 1})  # after the first rollout the pin is final
     with pytest.raises(ConfigMismatch) as err:
         op.execute(_ctx(experiment="exp-a", lr=0.005, group_size=4))
     assert err.value.differing_keys == ["algorithm.group_size", "algorithm.lr"]
