@@ -33,25 +33,12 @@ def _airflow_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def fault_plan(tmp_path_factory) -> Path:
-    """The fault-plan folder of the processes this session starts (see tests/faults)."""
-    return tmp_path_factory.mktemp("fault-plan")
-
-
-@pytest.fixture(scope="session")
-def ray_head(tmp_path_factory, fault_plan):
-    """A project-local Ray head on its own ports, stopped (SIGTERM to its PID) at the end.
-
-    The head and every process it starts load the test fault hooks, planned in ``fault_plan``.
-    """
-    from tests.faults import harness_env
+def ray_head(tmp_path_factory):
+    """A project-local Ray head on its own ports, stopped (SIGTERM to its PID) at the end."""
     from verl_tasks.execution import local_head
 
     state = tmp_path_factory.mktemp("ray-head")
     port = int(os.environ.get("VT_TEST_RAY_PORT", "6411"))
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in harness_env(fault_plan).items():
-            mp.setenv(key, value)
-        info = local_head.start(state, port=port, dashboard_port=port + 1900, num_cpus=2)
+    info = local_head.start(state, port=port, dashboard_port=port + 1900, num_cpus=2)
     yield info
     local_head.stop(state)
