@@ -193,3 +193,22 @@ def test_unpause_advice_only_when_the_dag_was_paused(tmp_path):
     assert "`airflow dags unpause tiny_arith`" in paused["what_to_do"]
     result = CliRunner().invoke(app, shlex.split(paused["commands"]["resume"])[1:])
     assert "unpause the DAG (`airflow dags unpause tiny_arith`)" in result.output
+
+
+def test_rollback_prints_a_run_command_for_this_experiment(tmp_path, monkeypatch):
+    context = _context(tmp_path, "plan", None)
+    cfg, store, layout = _store_layout(context)
+    for epoch in (0, 1):
+        writer = UnitWriter(store, layout.plan(epoch))
+        writer.write_json("plan.json", {"epoch": epoch})
+        writer.commit({})
+        writer = UnitWriter(store, layout.snapshot(epoch + 1))
+        writer.write_bytes("model.safetensors", f"weights-{epoch + 1}".encode())
+        writer.commit({"version": epoch + 1})
+    monkeypatch.chdir(tmp_path.parent)
+    result = CliRunner().invoke(app, ["rollback", str(_config(tmp_path)), "--store", cfg.storage.uri,
+                                      "--to-epoch", "0", "--yes"])
+    assert result.exit_code == 0, result.output
+    printed = " ".join(result.output.split()).split("`")[1]
+    assert shlex.split(printed) == ["verl-tasks", "run", str(_config(tmp_path)), "--experiment", cfg.experiment,
+                                    "--store", cfg.storage.uri]
