@@ -264,7 +264,10 @@ def rollback(
         tomb = apply_rollback(st, layout, plan)
     except VerlTasksError as err:
         _fail(err)
-    console.print(f"rolled back: markers moved to {tomb}; `verl-tasks run` continues from epoch {to_epoch + 1}")
+    from verl_tasks.ops.safe_mode import cli_command
+
+    console.print(f"rolled back: markers moved to {tomb}; `{cli_command('run', cfg, config)}` continues from "
+                  f"epoch {to_epoch + 1}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
