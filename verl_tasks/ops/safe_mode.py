@@ -79,7 +79,7 @@ def runbook(record: dict[str, Any]) -> str:
 def halted_message(experiment: str, record: dict[str, Any]) -> str:
     """One line for a refused unit or run: why it is halted and the command that resumes it."""
     resume = (record.get("commands") or {}).get("resume")
-    how = f"`{resume}`" if resume else "`verl-tasks resume` with this experiment's YAML, --experiment and --store"
+    how = f"`{resume}`" if resume else "verl-tasks resume with this experiment's YAML, --experiment and --store"
     clear = " (or Clear the failed task in Airflow)" if record.get("dag_id") else ""
     return (f"experiment {experiment!r} is in safe mode: {record.get('summary', 'halted')}; fix the cause, then "
             f"run {how}{clear}")
