@@ -108,6 +108,8 @@ class ModelConfig(Strict):
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: the GPU Ray assigned to the worker when CUDA sees one, else the CPU")
 
     @model_validator(mode="after")
     def _hf_needs_path(self) -> "ModelConfig":
@@ -225,10 +227,14 @@ class StorageConfig(Strict):
 
 
 class Resources(Strict):
+    """What each Ray worker of a phase's pool holds, and how many workers the pool has."""
+
     num_cpus: float = Field(1, ge=0)
     num_gpus: float = Field(0, ge=0)
     memory_mb: int | None = Field(None, gt=0)
-    workers: int = Field(1, ge=1, description="data-parallel processes (only resources.update.workers is used)")
+    custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {node_type_a100: 1}")
+    workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: data-parallel processes)")
+    idle_release_s: float = Field(300, gt=0, description="an idle worker exits after this, freeing its resources")
 
 
 class FaultToleranceConfig(Strict):
@@ -320,6 +326,7 @@ class ExperimentConfig(Strict):
     def hashed_view(self) -> dict[str, Any]:
         """The training-relevant settings, as plain JSON values."""
         dumped = self.model_dump(mode="json")
+        dumped["model"].pop("device")  # placement, like resources: results agree within tolerance (ADR 0002)
         return {key: dumped[key] for key in HASHED_SECTIONS}
 
     def config_hash(self) -> str:

@@ -70,7 +70,8 @@ def generate_hf(
     for i, ids in enumerate(rows):
         input_ids[i, width - len(ids) :] = torch.tensor(ids)
         mask[i, width - len(ids) :] = 1
-    torch.manual_seed(spec.seed)
+    input_ids, mask = input_ids.to(model.device), mask.to(model.device)
+    torch.manual_seed(spec.seed)  # seeds the CPU and every CUDA device
     kwargs: dict[str, Any] = dict(max_new_tokens=spec.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
     if spec.greedy:
         kwargs.update(do_sample=False)

@@ -22,7 +22,9 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
-from verl_tasks.models.checkpoint import WEIGHTS, load_policy
+from verl_tasks.models.checkpoint import WEIGHTS
+from verl_tasks.models.device import resolve_device
+from verl_tasks.models.policy_cache import POLICIES, PolicyKey
 from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
@@ -42,6 +44,8 @@ class PhaseContext:
     layout: Layout = field(init=False)
     # Set by in-process fault-injection tests; never by users' configs.
     hooks: dict[str, Callable[..., None]] = field(default_factory=dict)
+    # The attempt id a dispatcher chose (so it can fence it on cancel); None: a fresh one per unit.
+    attempt: str | None = None
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.config.experiment)
@@ -107,7 +111,7 @@ def run_unit(
     check_not_halted(ctx)
     check_pinned(ctx.config, ctx.store)
     set_determinism(ctx.config)
-    writer = UnitWriter(ctx.store, unit)
+    writer = UnitWriter(ctx.store, unit, ctx.attempt)
     started = time.monotonic()
     record_event(ctx.store, ctx.layout, "started", attempt=writer.attempt, **ids)
     try:
@@ -197,7 +201,28 @@ def _verify_weights(path: Path, sha: str, unit: str) -> None:
     _VERIFIED.add(key)
 
 
-def load_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any, Path]:
-    folder, _ = policy_folder(ctx, version)
-    model, tokenizer = load_policy(folder, ctx.config.model.dtype)
+def _policy_key(ctx: PhaseContext, record: CommitRecord) -> PolicyKey:
+    device = resolve_device(ctx.config.model.device)
+    return PolicyKey(record.files[WEIGHTS].sha256, ctx.config.model.dtype, str(device))
+
+
+def load_version(ctx: PhaseContext, version: int, *, owned: bool = False) -> tuple[torch.nn.Module, Any, Path]:
+    """Policy ``version`` on the configured device, from this process's warm cache when it holds it.
+
+    Args:
+        owned: the caller will change the weights (the update): the model leaves the cache.
+    Returns:
+        (model, tokenizer, local folder of the verified snapshot).
+    """
+    folder, record = policy_folder(ctx, version)
+    key = _policy_key(ctx, record)
+    model, tokenizer, how = (POLICIES.take if owned else POLICIES.get)(key, folder)
+    if how is not None:
+        record_event(ctx.store, ctx.layout, "policy_loaded", version=version, how=how, device=key.device,
+                     weights_sha256=key.weights_sha256)
     return model, tokenizer, folder
+
+
+def keep_policy(ctx: PhaseContext, record: CommitRecord, model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
+    """After an update committed ``record``, keep its trained model warm for the next epoch's units."""
+    POLICIES.adopt(_policy_key(ctx, record), model, tokenizer, folder)

@@ -18,7 +18,7 @@ import torch
 
 from verl_tasks.algos import grpo_outcome_advantage
 from verl_tasks.models.checkpoint import OPTIMIZER, load_optimizer, save_optimizer, save_policy
-from verl_tasks.phases.common import PhaseContext, load_version, policy_folder, require, run_unit
+from verl_tasks.phases.common import PhaseContext, keep_policy, load_version, policy_folder, require, run_unit
 from verl_tasks.phases.update_parallel import train_parallel
 from verl_tasks.phases.update_steps import UpdateInputs, response_logprobs, train_single
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
@@ -69,19 +69,23 @@ def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
 
 def prepare_inputs(
     samples: list[dict[str, Any]], model: torch.nn.Module, ref_model: torch.nn.Module | None, pad_id: int, temperature: float,
-    norm_adv_by_std: bool,
+    norm_adv_by_std: bool, single_step: bool = False,
 ) -> UpdateInputs:
-    """Collate, GRPO advantages from the outcome scores, and the frozen log-probs (old policy, reference)."""
-    data = collate(samples, pad_id)
+    """Collate, GRPO advantages from the outcome scores, and the frozen log-probs (old policy, reference).
+
+    With ``single_step`` (one optimizer step per epoch) the old log-probs are those of the step's
+    own forward pass, detached: the weights have not moved yet, so the extra pass is skipped.
+    """
+    data = {key: value.to(model.device) for key, value in collate(samples, pad_id).items()}
     mask = data["response_mask"]
-    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32, device=mask.device)
     token_rewards = torch.zeros_like(mask)
     last = (mask.sum(-1).long() - 1).clamp_min(0)
-    token_rewards[torch.arange(len(samples)), last] = scores
+    token_rewards[torch.arange(len(samples), device=mask.device), last] = scores
     advantages = grpo_outcome_advantage(token_rewards, mask, [s["prompt_id"] for s in samples], norm_adv_by_std)
     with torch.no_grad():
         model.eval()
-        old_logp, _ = response_logprobs(model, data, temperature)
+        old_logp = None if single_step else response_logprobs(model, data, temperature)[0]
         ref_logp = response_logprobs(ref_model, data, temperature)[0] if ref_model is not None else None
     return UpdateInputs(data, old_logp, advantages, ref_logp)
 
@@ -127,16 +131,20 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     cfg = ctx.config
     algo = cfg.algorithm
 
+    trained: dict[str, Any] = {}
+
     def produce(writer: UnitWriter) -> dict[str, Any]:
         require(ctx, ctx.layout.validate(epoch), "validate")
         planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
         samples = load_epoch_samples(ctx, epoch)
-        model, tokenizer, _ = load_version(ctx, planned["policy_version"])
-        folder, record = policy_folder(ctx, planned["policy_version"])
+        workers = cfg.phase_resources("update").workers
+        model, tokenizer, folder = load_version(ctx, planned["policy_version"], owned=workers == 1)
+        record = policy_folder(ctx, planned["policy_version"])[1]
         optimizer_path = folder / OPTIMIZER if OPTIMIZER in record.files else None
         ref_model = load_version(ctx, 0)[0] if algo.kl_type.value != "none" else None
-        inputs = prepare_inputs(samples, model, ref_model, tokenizer.pad_token_id, cfg.rollout.temperature, algo.norm_adv_by_std)
-        workers = cfg.phase_resources("update").workers
+        single_step = algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples)
+        inputs = prepare_inputs(samples, model, ref_model, tokenizer.pad_token_id, cfg.rollout.temperature,
+                                algo.norm_adv_by_std, single_step)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
             if workers > 1:
@@ -144,6 +152,7 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
                 totals, steps, hyper = _train_workers(ctx, epoch, folder, optimizer_path, inputs, planned["update_seed"], out)
             else:
                 totals, steps, hyper = _train_here(ctx, epoch, model, tokenizer, optimizer_path, inputs, planned["update_seed"], out)
+                trained.update(model=model, tokenizer=tokenizer, folder=folder)
             for path in sorted(p for p in (out / "policy").iterdir() if p.is_file()):
                 writer.write_file(path.name, path)
             writer.write_file(OPTIMIZER, out / OPTIMIZER)
@@ -155,7 +164,10 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         # tolerance across counts and are byte-identical for one count, so the count is recorded.
         return {"metrics": metrics, "policy_version": planned["policy_version"] + 1, "update_workers": workers}
 
-    return run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
+    committed_record = run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
+    if trained:  # the trained model is policy epoch + 1: the next epoch's units need not load it
+        keep_policy(ctx, committed_record, trained["model"], trained["tokenizer"], trained["folder"])
+    return committed_record
 
 
 def _epoch_metrics(totals: dict[str, float], steps: int, samples: list[dict[str, Any]], mask: torch.Tensor) -> dict[str, Any]:

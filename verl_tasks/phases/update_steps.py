@@ -24,20 +24,23 @@ class UpdateInputs:
     """Everything the optimisation reads, fixed before the first step.
 
     ``data``: the collated batch (``DATA_KEYS``, ``[B, L]`` or ``[B, R]``);
-    ``old_logp``, ``advantages``, ``ref_logp``: ``[B, R]`` (``ref_logp`` None without KL).
+    ``old_logp``, ``advantages``, ``ref_logp``: ``[B, R]`` (``ref_logp`` None without KL;
+    ``old_logp`` None when the epoch is one optimizer step: the step's own detached log-probs).
     """
 
     data: dict[str, torch.Tensor]
-    old_logp: torch.Tensor
+    old_logp: torch.Tensor | None
     advantages: torch.Tensor
     ref_logp: torch.Tensor | None
 
     def __len__(self) -> int:
-        return self.old_logp.size(0)
+        return self.advantages.size(0)
 
     def save(self, path: Path) -> None:
         """Write as safetensors (workers read it back with ``load``; nothing is pickled)."""
-        tensors = {**self.data, "old_logp": self.old_logp, "advantages": self.advantages}
+        tensors = {**self.data, "advantages": self.advantages}
+        if self.old_logp is not None:
+            tensors["old_logp"] = self.old_logp
         if self.ref_logp is not None:
             tensors["ref_logp"] = self.ref_logp
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
@@ -47,7 +50,7 @@ class UpdateInputs:
         tensors = load_file(str(path))
         return cls(
             data={key: tensors[key] for key in DATA_KEYS},
-            old_logp=tensors["old_logp"],
+            old_logp=tensors.get("old_logp"),
             advantages=tensors["advantages"],
             ref_logp=tensors.get("ref_logp"),
         )
@@ -71,7 +74,7 @@ def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str,
 
 def minibatch_rows(samples: int, algo: AlgorithmConfig, seed: int) -> Iterator[torch.Tensor]:
     """Row indices of each minibatch, in step order: one seeded permutation per PPO epoch."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)  # on the CPU: the same order whatever the device
     for _ in range(algo.ppo_epochs):
         order = torch.randperm(samples, generator=generator)
         for start in range(0, samples, algo.minibatch_size):
@@ -89,8 +92,9 @@ def minibatch_loss(
     mb = select_rows(inputs.data, rows)
     mode = algo.loss_agg_mode.value
     logp, entropy = response_logprobs(model, mb, temperature, with_entropy=True)
+    old_logp = inputs.old_logp[rows] if inputs.old_logp is not None else logp.detach()
     pg_loss, pg_metrics = policy_loss_vanilla(
-        inputs.old_logp[rows], logp, inputs.advantages[rows], mb["response_mask"],
+        old_logp, logp, inputs.advantages[rows], mb["response_mask"],
         algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, mode,
     )
     entropy_loss = aggregate_loss(entropy, mb["response_mask"], mode)
