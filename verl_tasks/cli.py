@@ -63,15 +63,29 @@ def run(
     resume_from: Optional[str] = typer.Option(
         None, "--resume-from", metavar="EXPERIMENT[:VERSION]",
         help="start this new experiment from that experiment's snapshot VERSION (default: its latest) in the same store"),
+    backend: str = typer.Option("inline", help="inline: in this process; ray: on Ray worker pools"),
+    ray_address: Optional[str] = typer.Option(
+        None, help="with --backend ray: the cluster's GCS address HOST:PORT; default: start a local head, stop it after"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Run every phase inline, in order, resuming from whatever is committed."""
+    """Run every phase in order, resuming from whatever is committed (inline, or on Ray worker pools)."""
     _setup_logging(verbose)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from verl_tasks.runner import epoch_units, make_context, train
+    from contextlib import ExitStack
 
+    from verl_tasks.runner import epoch_units, make_context, run_in_process, train
+
+    stack = ExitStack()
     try:
         cfg = _load(config, store, experiment, epochs)
+        if backend not in ("inline", "ray"):
+            raise typer.BadParameter(f"--backend {backend!r}: use inline or ray")
+        run_units = run_in_process
+        if backend == "ray":
+            from verl_tasks.execution.cli_cluster import connect
+
+            cfg.storage.uri = _absolute_uri(cfg.storage.uri)  # the workers' working folder is not ours
+            run_units = connect(stack, cfg, ray_address, console)
         ctx = make_context(cfg)
         if resume_from:
             _start_from(ctx, resume_from)
@@ -88,7 +102,7 @@ def run(
                     bar.advance(task)
                     bar.update(task, description=f"{cfg.experiment} epoch {epoch} {phase}" + (f" b{batch}" if batch is not None else ""))
 
-            result = train(ctx, cfg.epochs, progress)
+            result = train(ctx, cfg.epochs, progress, run_units)
         _print_summary(result)
         if report:
             from verl_tasks.report import curve_markdown
@@ -102,6 +116,14 @@ def run(
         raise typer.Exit(code=130)
     except VerlTasksError as err:
         _fail(err)
+    finally:
+        stack.close()
+
+
+def _absolute_uri(uri: str) -> str:
+    if uri.startswith("file://") and not uri.startswith("file:///"):
+        return "file://" + str(Path(uri[len("file://"):]).resolve())
+    return uri
 
 
 def _start_from(ctx, source: str) -> None:

@@ -70,6 +70,19 @@ class PhaseFailed(VerlTasksError):
         super().__init__(f"{unit}: {reason}")
 
 
+class UnitTimeout(PhaseFailed):
+    """A unit ran past its timeout where it runs; the attempt was fenced and its worker restarted."""
+
+
+class AttemptFenced(StoreError):
+    """An attempt was cancelled or timed out: it may not commit (a newer attempt owns the unit)."""
+
+    def __init__(self, unit: str, attempt: str, reason: str):
+        self.unit = unit
+        self.attempt = attempt
+        super().__init__(f"{unit}: attempt {attempt} was fenced ({reason}); it cannot commit")
+
+
 class ValidationFailed(PhaseFailed):
     """The data-quality gate refused an epoch's scored samples."""
 

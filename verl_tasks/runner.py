@@ -6,7 +6,7 @@ phase functions, one task per unit, through an execution backend.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError
@@ -31,15 +31,26 @@ def run_phase(ctx: PhaseContext, phase: str, epoch: int, batch: int | None = Non
     return phase_spec(phase).run(ctx, epoch, batch)
 
 
+def epoch_phases(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[str, list[int | None]]]:
+    """Each phase of one epoch in execution order, with its units' batch indices ([None] if not batched)."""
+    batches: list[int | None] = list(range(ctx.config.rollout.batches_per_epoch))
+    return [(name, batches if spec.batched else [None]) for name, spec in PHASES.items()
+            if name != "evaluate" or ctx.config.should_evaluate(epoch, total_epochs)]
+
+
 def epoch_units(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[str, int | None]]:
     """The (phase, batch) units of one epoch in execution order."""
-    batches = range(ctx.config.rollout.batches_per_epoch)
-    units: list[tuple[str, int | None]] = []
-    for name, spec in PHASES.items():
-        if name == "evaluate" and not ctx.config.should_evaluate(epoch, total_epochs):
-            continue
-        units += [(name, b) for b in batches] if spec.batched else [(name, None)]
-    return units
+    return [(phase, batch) for phase, batches in epoch_phases(ctx, epoch, total_epochs) for batch in batches]
+
+
+UnitRunner = Callable[[PhaseContext, str, int, list], Iterable]
+
+
+def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int | None]) -> Iterator[int | None]:
+    """The inline unit runner: one unit after another in this process; yields each batch when committed."""
+    for batch in batches:
+        run_phase(ctx, phase, epoch, batch)
+        yield batch
 
 
 def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
@@ -48,11 +59,13 @@ def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
     return not ctx.config.should_evaluate(epoch, total_epochs) or is_committed(ctx.store, ctx.layout.evaluate(epoch))
 
 
-def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None) -> dict[str, Any]:
+def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None,
+          run_units: UnitRunner = run_in_process) -> dict[str, Any]:
     """Run epochs ``0..epochs-1``; committed units are skipped. Returns the status.
 
     Before any work, the newest committed snapshot is verified; a corrupt one is
     quarantined and training resumes from the previous valid one (``phases.fallback``).
+    ``run_units`` runs one phase's units (in this process, or on Ray worker pools).
     """
     if not all(epoch_done(ctx, e, epochs) for e in range(epochs)):
         from verl_tasks.phases.fallback import check_resume_point
@@ -63,10 +76,10 @@ def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None) -> d
             if progress:
                 progress("epoch-skipped", epoch, None)
             continue
-        for phase, batch in epoch_units(ctx, epoch, epochs):
-            run_phase(ctx, phase, epoch, batch)
-            if progress:
-                progress(phase, epoch, batch)
+        for phase, batches in epoch_phases(ctx, epoch, epochs):
+            for batch in run_units(ctx, phase, epoch, batches):
+                if progress:
+                    progress(phase, epoch, batch)
     return status(ctx.config, ctx.store)
 
 

@@ -17,8 +17,11 @@ class InlineBackend:
 
     name = "inline"
 
-    def run(self, config: ExperimentConfig, spec: UnitSpec, credentials: dict[str, str] | None = None) -> CommitRecord:
+    def run(self, config: ExperimentConfig, spec: UnitSpec, credentials: dict[str, str] | None = None,
+            attempt: str | None = None) -> CommitRecord:
         """Run (or skip, when committed) one unit and return its commit record.
+
+        ``attempt`` names the attempt (a dispatcher that may cancel it fences that id).
 
         Raises:
             Whatever the phase raises (PhaseFailed, ValidationFailed, ...), unchanged.
@@ -27,6 +30,7 @@ class InlineBackend:
 
         hooks.fire("unit_start", experiment=spec.experiment, phase=spec.phase, epoch=spec.epoch, batch=spec.batch)
         ctx = make_context(config, credentials)
+        ctx.attempt = attempt
         log.info("running %s of %s inline", spec.label, config.experiment)
         return run_phase(ctx, spec.phase, spec.epoch, spec.batch)
 

@@ -111,9 +111,14 @@ def _ready(info: HeadInfo, timeout_s: float) -> None:
     raise TimeoutError(f"ray head at {info.address} not ready after {timeout_s}s: {last}")
 
 
-def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = 2,
-          timeout_s: float = 90) -> HeadInfo:
-    """Start the head (or return the running one) and wait until its Jobs API answers."""
+def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = 2, num_gpus: int = 0,
+          cwd: Path | None = None, timeout_s: float = 90) -> HeadInfo:
+    """Start the head (or return the running one) and wait until its Jobs API answers.
+
+    Workers start in ``cwd`` (default: the state folder), where relative paths resolve.
+    ``num_gpus`` are logical GPUs: on a machine without CUDA, Ray still places actors that
+    reserve them (and sets their ``CUDA_VISIBLE_DEVICES``), which tests placement.
+    """
     state_dir = private_dir(Path(state_dir).resolve())
     running = read_info(state_dir)
     if running:
@@ -135,7 +140,7 @@ def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_
     env.pop("RAY_ADDRESS", None)
     log_file = state_dir / "head.log"
     cmd = [
-        str(Path(bin_dir) / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", "--num-gpus=0",
+        str(Path(bin_dir) / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
         f"--port={port}", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
         "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--disable-usage-stats",
         f"--temp-dir={tmpdir}",
@@ -146,7 +151,7 @@ def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_
     ]
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=str(state_dir))
+                                cwd=str(cwd or state_dir))
     info = HeadInfo(proc.pid, f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{port}", str(token_file),
                     str(tmpdir), str(log_file))
     (state_dir / "head.json").write_text(json.dumps(asdict(info), indent=1))

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from verl_tasks.errors import IntegrityError, StoreError
+from verl_tasks.errors import AttemptFenced, IntegrityError, StoreError
 from verl_tasks.store.base import NotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ MARKER = "_SUCCESS"
 PRUNED = "_PRUNED"
 ATTEMPTS = ".attempts"
 QUARANTINE = ".quarantine"
+FENCED = ".fenced"
 FORMAT_VERSION = 1
 
 
@@ -175,6 +176,10 @@ class UnitWriter:
         Raises:
             StoreError: a listed file of this attempt is gone, so a marker would point at nothing.
         """
+        fence = fence_record(self.store, self.unit, self.attempt)
+        if fence is not None:
+            self.discard()
+            raise AttemptFenced(self.unit, self.attempt, str(fence.get("reason", "cancelled")))
         missing = self._missing_files()
         if missing and read_marker(self.store, self.unit) is None:
             raise StoreError(
@@ -196,6 +201,28 @@ class UnitWriter:
 
     def discard(self) -> None:
         self.store.delete_prefix(f"{self.unit}/{ATTEMPTS}/{self.attempt}/")
+
+
+def _fence_key(unit: str, attempt: str) -> str:
+    return f"{unit}/{FENCED}/{attempt}.json"
+
+
+def fence_attempt(store: ObjectStore, unit: str, attempt: str, reason: str) -> None:
+    """Forbid ``attempt`` to commit ``unit`` (it was cancelled or timed out; a retry uses a new attempt).
+
+    The check sits right before the marker write, so an attempt that outlives its
+    cancellation (a worker not yet killed) discards its files instead of committing.
+    """
+    store.put(_fence_key(unit, attempt), json.dumps({"reason": reason, "at": time.time()}).encode())
+
+
+def fence_record(store: ObjectStore, unit: str, attempt: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.get(_fence_key(unit, attempt)))
+    except NotFound:
+        return None
+    except ValueError:
+        return {"reason": "fence record unreadable"}
 
 
 def read_bytes(store: ObjectStore, record: CommitRecord, name: str, verify: bool = True) -> bytes:

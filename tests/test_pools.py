@@ -1,0 +1,185 @@
+"""Worker pools on a real Ray head with logical GPUs (``ray start --num-gpus 2`` on this CPU machine).
+
+The head and its workers load the test fault hooks (tests/faults), so a rollout can be held
+in its middle: that proves two units run at the same time and lets a test cancel one.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults import harness_env, hold, release
+from verl_tasks.execution import UnitSpec
+from verl_tasks.layout import Layout
+from verl_tasks.store.units import read_marker
+
+pytestmark = pytest.mark.slow
+FAST = {"model.tiny.warm_start_steps": 20, "resources.rollout.idle_release_s": 4}
+GPU_ROLLOUT = {"resources.rollout.num_gpus": 1, "resources.rollout.workers": 2}
+
+
+def wait_until(what: str, probe, timeout_s: float = 240, every: float = 0.2):
+    """Poll ``probe`` until truthy; on giving up say what was waited for and what was seen last."""
+    deadline, seen = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        seen = probe()
+        if seen:
+            return seen
+        time.sleep(every)
+    raise AssertionError(f"gave up waiting for {what} after {timeout_s}s; last seen: {seen!r}")
+
+
+def join_loopback_head(mp: pytest.MonkeyPatch, info) -> None:
+    """Let this (already Ray-importing) test process join a loopback head with token auth.
+
+    Ray reads both settings when it is imported; the CLI sets them before that, a pytest
+    process that collected other Ray tests first has to refresh them (Ray's own test helper).
+    """
+    import ray._private.ray_constants as constants
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    mp.setenv("RAY_AUTH_MODE", "token")
+    mp.setenv("RAY_AUTH_TOKEN_PATH", info.token_file)
+    mp.setenv("RAY_TMPDIR", info.tmpdir)
+    mp.setattr(constants, "ENABLE_RAY_CLUSTER", False)
+    reset_auth_token_state()
+
+
+@pytest.fixture(scope="module")
+def gpu_head(tmp_path_factory):
+    """A local head with 4 logical CPUs and 2 logical GPUs; this process joins it as a driver."""
+    import ray
+
+    from verl_tasks.execution import local_head, pools
+    from verl_tasks.execution.cli_cluster import _free_ports
+
+    plan = tmp_path_factory.mktemp("plan")
+    state = tmp_path_factory.mktemp("head")
+    os.chmod(state, 0o700)
+    port, dashboard = _free_ports()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in harness_env(plan).items():
+            mp.setenv(key, value)
+        info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=4, num_gpus=2)
+        join_loopback_head(mp, info)
+        pools.ensure_connected(info.gcs_address)
+        yield {"info": info, "plan": plan}
+        ray.shutdown()
+    local_head.stop(state)
+
+
+def _planned(tiny_config, store_uri: str, **extra):
+    from verl_tasks.runner import make_context, run_phase
+
+    ctx = make_context(tiny_config(store_uri, **{**FAST, **extra}))
+    run_phase(ctx, "plan", 0)  # in this process: pins data and the base snapshot
+    return ctx
+
+
+def test_two_rollout_batches_run_at_once_on_their_own_gpus(gpu_head, tiny_config, tmp_path):
+    import ray
+
+    from verl_tasks.execution import pools
+
+    plan = gpu_head["plan"]
+    ctx = _planned(tiny_config, f"file://{tmp_path}/store", **GPU_ROLLOUT)
+    name = ctx.config.experiment
+    held = [hold(plan, name, 0, b) for b in (0, 1)]
+    refs = [pools.submit(ctx.config, UnitSpec(name, "rollout", 0, b), None)[0] for b in (0, 1)]
+    try:
+        wait_until("both rollouts to be in their middle at the same time", lambda: all(p.exists() for p in held))
+    finally:
+        for b in (0, 1):
+            release(plan, name, 0, b)
+    results = ray.get(refs, timeout=240)
+    assert all(r["ok"] for r in results), results
+    gpus = [r["placement"]["gpu_ids"] for r in results]
+    assert sorted(g for ids in gpus for g in ids) == ["0", "1"], gpus  # one logical GPU each, different ones
+    assert len({r["placement"]["pid"] for r in results}) == 2
+    log = "\n".join(line for r in results for line in r["log"])
+    assert "model.device=auto: no CUDA device usable here" in log and "computing on the CPU" in log
+
+
+def test_a_unit_asking_for_both_gpus_waits_until_they_are_free(gpu_head, tiny_config, tmp_path):
+    import ray
+
+    from verl_tasks.execution import pools
+
+    plan = gpu_head["plan"]
+    first = _planned(tiny_config, f"file://{tmp_path}/a", **GPU_ROLLOUT)
+    name = first.config.experiment
+    held = [hold(plan, name, 0, b) for b in (0, 1)]
+    rollouts = [pools.submit(first.config, UnitSpec(name, "rollout", 0, b), None)[0] for b in (0, 1)]
+    try:
+        wait_until("both rollouts to hold a GPU", lambda: all(p.exists() for p in held))
+        second = tiny_config(f"file://{tmp_path}/b", **{**FAST, "experiment": "two-gpus", "resources.plan.num_gpus": 2})
+        wide, _ = pools.submit(second, UnitSpec("two-gpus", "plan", 0), None)
+        ready, _ = ray.wait([wide], timeout=3)
+        assert not ready, "a unit asking for 2 GPUs started while both were held"
+    finally:
+        for b in (0, 1):
+            release(plan, name, 0, b)
+    assert all(r["ok"] for r in ray.get(rollouts, timeout=240))
+    result = ray.get(wide, timeout=240)  # placed once the idle rollout workers exit (idle_release_s=4)
+    assert result["ok"], result
+    assert sorted(result["placement"]["gpu_ids"]) == ["0", "1"]
+    assert result["started_at"] >= max(r["finished_at"] for r in ray.get(rollouts))
+
+
+def test_a_cancelled_unit_stops_at_once_and_never_commits(gpu_head, tiny_config, tmp_path):
+    import ray
+
+    from verl_tasks.execution import pools
+    from verl_tasks.store.units import new_attempt_id
+
+    plan = gpu_head["plan"]
+    ctx = _planned(tiny_config, f"file://{tmp_path}/store")
+    name = ctx.config.experiment
+    spec = UnitSpec(name, "rollout", 0, 1)
+    held = hold(plan, name, 0, 1)
+    doomed = new_attempt_id()
+    ref, actor = pools.submit(ctx.config, spec, doomed)
+    pid = int(wait_until("the rollout to be in its middle", lambda: held.exists() and held.read_text()))
+    cancelled_at = time.monotonic()
+    pools.cancel_unit(ctx.config, spec, doomed, actor, "cleared in the UI")
+    wait_until("the cancelled worker process to be gone", lambda: not Path(f"/proc/{pid}").exists(), timeout_s=5)
+    assert time.monotonic() - cancelled_at < 5
+    with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        ray.get(ref, timeout=60)
+    release(plan, name, 0, 1)
+    unit = Layout(name).rollout(0, 1)
+    assert read_marker(ctx.store, unit) is None
+    retried = pools.dispatch(ctx.config, spec, attempt=new_attempt_id(), timeout_s=240)
+    assert retried["ok"], retried
+    record = read_marker(ctx.store, unit)
+    assert record.attempt != doomed
+    from verl_tasks.store.units import UnitWriter
+    from verl_tasks.errors import AttemptFenced
+
+    late = UnitWriter(ctx.store, unit, doomed)  # the killed attempt, had it lived on, cannot commit
+    with pytest.raises(AttemptFenced):
+        late.commit({})
+    assert read_marker(ctx.store, unit).attempt == record.attempt
+
+
+def test_backend_ray_gives_the_inline_weights(tmp_path):
+    """``verl-tasks run --backend ray`` (own local head, started and stopped) = the inline run, byte for byte."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, small_overrides, write_yaml
+
+    yaml_path = write_yaml(tmp_path, small_overrides(epochs=1, **{"evaluate.max_prompts": 8}))
+    shas = {}
+    for backend in ("inline", "ray"):
+        store = f"file://{tmp_path}/{backend}"
+        subprocess.run([sys.executable, "-m", "verl_tasks.cli", "run", str(yaml_path), "--store", store,
+                        "--backend", backend], cwd=ROOT, check=True, capture_output=True, text=True, timeout=900)
+        out = subprocess.run([sys.executable, "-m", "verl_tasks.cli", "status", str(yaml_path), "--store", store,
+                              "--json"], cwd=ROOT, check=True, capture_output=True, text=True)
+        shas[backend] = json.loads(out.stdout)["latest_snapshot"]["weights_sha256"]
+    assert shas["ray"] == shas["inline"]

@@ -1,0 +1,314 @@
+"""Worker pools on the Ray cluster: actors that hold a phase's resources and keep its work warm.
+
+Each phase kind (``rollout``, ``score``, ``update``, ``evaluate``, and ``light`` for
+plan, validate and snapshot) has a pool of ``resources.<phase>.workers`` named,
+detached actors, created with that phase's ``num_cpus``, ``num_gpus``,
+``memory_mb`` and custom resources, so Ray places each on a node that has them
+and the GPUs a unit computes on are the ones its actor reserved. An actor keeps
+its process warm (torch imported, the policy loaded and keyed by the snapshot's
+sha256, the reward workers, the quality gate); the store stays the truth, so an
+actor that dies loses nothing but time.
+
+Names tie an actor to the exact code and resource shape::
+
+    vt-<kind>-<code fingerprint>-<shape digest>-<index>
+
+so a deploy of new code gets new actors, and the old ones are retired (they exit
+once idle). An actor with no unit for ``idle_release_s`` exits and frees its
+resources. A unit goes to an idle actor of its pool when there is one (mapped
+units spread over the pool and run in parallel), else it waits in the queue of
+the actor its batch index picks. A unit's timeout is enforced here: past it, the
+attempt is fenced in the store (it can never commit) and its actor is killed and
+restarted, so a hung unit frees its slot.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+
+import verl_tasks
+from verl_tasks.config import ExperimentConfig, Resources
+from verl_tasks.execution import UnitSpec
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "verl-tasks"
+PREFIX = "vt-"
+LIGHT = ("plan", "validate", "snapshot")
+STATE_WAIT_S = 0.2
+
+
+def pool_kind(phase: str) -> str:
+    return "light" if phase in LIGHT else phase
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of the installed package's source: a new deploy gets new workers, never stale ones."""
+    root = Path(verl_tasks.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """The resources every actor of one pool holds, and how many actors the pool has."""
+
+    kind: str
+    num_cpus: float
+    num_gpus: float
+    memory_mb: int | None
+    custom: tuple[tuple[str, float], ...]
+    workers: int
+    idle_release_s: float
+
+    @classmethod
+    def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
+        res: Resources = config.phase_resources(phase)
+        return cls(pool_kind(phase), res.num_cpus, res.num_gpus, res.memory_mb,
+                   tuple(sorted(res.custom.items())), res.workers, res.idle_release_s)
+
+    @property
+    def digest(self) -> str:
+        body = json.dumps([self.num_cpus, self.num_gpus, self.memory_mb, self.custom], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:8]
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}{self.kind}-"
+
+    def actor_name(self, index: int) -> str:
+        return f"{self.prefix}{code_fingerprint()}-{self.digest}-{index}"
+
+    def actor_options(self, index: int) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "name": self.actor_name(index), "namespace": NAMESPACE, "lifetime": "detached",
+            "get_if_exists": True, "num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+        }
+        if self.memory_mb:
+            options["memory"] = int(self.memory_mb * 1024 * 1024)
+        if self.custom:
+            options["resources"] = dict(self.custom)
+        return options
+
+
+class _Capture(logging.Handler):
+    """The unit's log lines, handed back to the caller (the job's log, the CLI)."""
+
+    def __init__(self, thread: int) -> None:
+        super().__init__(logging.INFO)
+        self.thread = thread
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.lines.append(self.format(record))
+
+
+@ray.remote(max_restarts=-1, concurrency_groups={"work": 64, "control": 2})
+class PoolWorker:
+    """Runs one unit at a time (``run`` calls queue on a lock); answers ``state`` and ``retire`` meanwhile."""
+
+    def __init__(self, kind: str, idle_release_s: float) -> None:
+        import verl_tasks.runner  # noqa: F401 - import the heavy modules once, now
+
+        logging.getLogger().setLevel(logging.INFO)
+        self.kind = kind
+        self.idle_release_s = idle_release_s
+        self.fingerprint = code_fingerprint()
+        self._run_lock = threading.Lock()
+        self._busy: dict[str, Any] | None = None
+        self._last_used = time.monotonic()
+        self._retired = False
+        threading.Thread(target=self._release_when_idle, daemon=True).start()
+
+    @ray.method(concurrency_group="work")
+    def run(self, config_json: dict[str, Any], phase: str, epoch: int, batch: int | None,
+            attempt: str | None = None) -> dict[str, Any]:
+        from verl_tasks.config import parse_config
+        from verl_tasks.execution.inline import InlineBackend, record_summary
+        from verl_tasks.execution.outcome import failure_result
+
+        label = UnitSpec(str(config_json.get("experiment")), phase, epoch, batch).label
+        with self._run_lock:
+            self._busy = {"unit": label, "since": time.time()}
+            capture = _Capture(threading.get_ident())
+            root = logging.getLogger()
+            root.addHandler(capture)
+            started = time.time()
+            placement = {"gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
+                         "node": ray.get_runtime_context().get_node_id(), "actor": self.kind}
+            try:
+                config = parse_config(config_json)
+                spec = UnitSpec(config.experiment, phase, epoch, batch)
+                record = InlineBackend().run(config, spec, attempt=attempt)
+                result = {"ok": True, **record_summary(record)}
+            except Exception as err:  # noqa: BLE001 - returned to the caller, which raises it typed (outcome.py)
+                logging.getLogger(__name__).exception("unit %s failed", label)
+                result = failure_result(err, label)
+            finally:
+                root.removeHandler(capture)
+                self._busy = None
+                self._last_used = time.monotonic()
+            return {**result, "log": capture.lines, "placement": placement,
+                    "started_at": started, "finished_at": time.time()}
+
+    @ray.method(concurrency_group="control")
+    def state(self) -> dict[str, Any]:
+        return {"busy": self._busy, "idle_s": time.monotonic() - self._last_used, "kind": self.kind,
+                "fingerprint": self.fingerprint, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+    @ray.method(concurrency_group="control")
+    def retire(self) -> None:
+        """Exit as soon as no unit runs (a newer code version took over this pool)."""
+        self._retired = True
+
+    def _release_when_idle(self) -> None:
+        while True:
+            time.sleep(min(1.0, max(0.05, self.idle_release_s / 4)))
+            idle = self._busy is None and not self._run_lock.locked()
+            if idle and (self._retired or time.monotonic() - self._last_used > self.idle_release_s):
+                log.info("%s worker exits (%s)", self.kind, "retired" if self._retired else "idle")
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+
+def ensure_connected(address: str | None = None) -> None:
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+
+
+def retire_stale(shape: PoolShape) -> list[str]:
+    """Ask actors of this kind built from other code to exit once idle. Returns their names."""
+    current = f"{shape.prefix}{code_fingerprint()}-"
+    stale = [name for name in _named_actors() if name.startswith(shape.prefix) and not name.startswith(current)]
+    for name in stale:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE).retire.remote()
+        except ValueError:  # exited meanwhile
+            continue
+    return stale
+
+
+def _named_actors() -> list[str]:
+    return [entry["name"] if isinstance(entry, dict) else entry
+            for entry in ray.util.list_named_actors(all_namespaces=True)
+            if not isinstance(entry, dict) or entry.get("namespace") == NAMESPACE]
+
+
+def pool_actors(shape: PoolShape) -> list[Any]:
+    """The pool's actors, created (and left to Ray to place) when missing."""
+    return [PoolWorker.options(**shape.actor_options(i)).remote(shape.kind, shape.idle_release_s)
+            for i in range(shape.workers)]
+
+
+def pick_actor(actors: list[Any], batch: int | None) -> int:
+    """An idle actor if one answers at once, starting from the one the batch index names; else that one."""
+    preferred = (batch or 0) % len(actors)
+    order = [(preferred + i) % len(actors) for i in range(len(actors))]
+    refs = {actors[i].state.remote(): i for i in order}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=STATE_WAIT_S)
+    idle = {refs[ref] for ref in ready if ray.get(ref)["busy"] is None}
+    return next((i for i in order if i in idle), preferred)
+
+
+def submit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None) -> tuple[Any, Any]:
+    """Hand one unit to its pool; returns (the result's ObjectRef, the actor running it)."""
+    shape = PoolShape.for_phase(config, spec.phase)
+    retire_stale(shape)
+    actors = pool_actors(shape)
+    actor = actors[pick_actor(actors, spec.batch)]
+    return actor.run.remote(config.model_dump(mode="json"), spec.phase, spec.epoch, spec.batch, attempt), actor
+
+
+def _timed_out(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any, timeout_s: float):
+    from verl_tasks.errors import UnitTimeout
+
+    unit = cancel_unit(config, spec, attempt, actor, f"timed out after {timeout_s:g} s")
+    return UnitTimeout(unit, f"timed out after {timeout_s:g} s (fault_tolerance.timeout_s.{spec.phase}); the "
+                             f"attempt was fenced and its worker restarted; a retry starts a new attempt")
+
+
+def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = None,
+             timeout_s: float | None = None) -> dict[str, Any]:
+    """Run one unit on its pool and return the worker's result dict (``ok``, summary or error, log).
+
+    Past ``timeout_s`` the attempt is fenced (it can never commit) and the actor is killed
+    (Ray restarts it empty), then :class:`verl_tasks.errors.UnitTimeout` is raised.
+    """
+    ref, actor = submit(config, spec, attempt)
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise _timed_out(config, spec, attempt, actor, timeout_s) from None
+
+
+def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) -> Iterator[int | None]:
+    """A unit runner for :func:`verl_tasks.runner.train`: a phase's units at once on its pool.
+
+    Yields each batch as its unit commits. Raises the unit's typed error (see ``outcome``)
+    on the first failure, after the phase's other units have finished.
+    """
+    from verl_tasks.execution.outcome import describe, error_from_result
+    from verl_tasks.errors import PhaseFailed
+    from verl_tasks.store.units import new_attempt_id
+
+    config = ctx.config
+    timeout_s = config.fault_tolerance.timeout_s.get(phase)
+    started = time.monotonic()
+    pending: dict[Any, tuple[UnitSpec, str, Any]] = {}
+    for batch in batches:
+        spec = UnitSpec(config.experiment, phase, epoch, batch)
+        attempt = new_attempt_id()
+        ref, actor = submit(config, spec, attempt)
+        pending[ref] = (spec, attempt, actor)
+    failure: Exception | None = None
+    while pending:
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        if not ready:  # every unit still running is past the phase's timeout
+            for spec, attempt, actor in pending.values():
+                failure = failure or _timed_out(config, spec, attempt, actor, timeout_s)
+            break
+        spec, _attempt, _actor = pending.pop(ready[0])
+        result = ray.get(ready[0])
+        for line in result.get("log", []):
+            log.debug("[%s] %s", spec.label, line)
+        if result.get("ok"):
+            yield spec.batch
+        elif failure is None:
+            failure = error_from_result(result) or PhaseFailed(spec.label, describe(result))
+    if failure is not None:
+        raise failure
+
+
+def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any, reason: str) -> str:
+    """Fence the attempt so it can never commit, then kill (and let Ray restart) the actor running it."""
+    from verl_tasks.layout import Layout
+    from verl_tasks.store import store_for
+    from verl_tasks.store.units import fence_attempt
+
+    unit = Layout(config.experiment).unit(spec.phase, spec.epoch, spec.batch)
+    if attempt:
+        fence_attempt(store_for(config), unit, attempt, reason)
+    ray.kill(actor, no_restart=False)
+    log.warning("cancelled %s (attempt %s): %s", unit, attempt, reason)
+    return unit
+
+
+__all__ = ["PoolShape", "PoolWorker", "dispatch", "submit", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
+           "NAMESPACE"]
