@@ -161,8 +161,8 @@ def status(
 ) -> None:
     """Per epoch: each phase's state and metrics, and the latest snapshot."""
     _setup_logging(False)
-    from verl_tasks.runner import status as get_status
-    from verl_tasks.runner import store_for
+    from verl_tasks.status import status as get_status
+    from verl_tasks.store import store_for
 
     try:
         cfg = _load(config, store, experiment)
@@ -270,7 +270,7 @@ def rollback(
     _setup_logging(False)
     from verl_tasks.layout import Layout
     from verl_tasks.ops.rollback import apply_rollback, plan_rollback
-    from verl_tasks.runner import store_for
+    from verl_tasks.store import store_for
 
     try:
         cfg = _load(config, store, experiment)

@@ -1,7 +1,8 @@
-"""Run phases inline, in order, resuming from whatever is committed; and report status.
+"""Run phases inline, in order, resuming from whatever is committed.
 
 This is the execution path of the CLI and the tests. Airflow runs the same
-phase functions, one task per unit, through an execution backend.
+phase functions, one task per unit, through an execution backend. ``status``
+lives in the torch-free :mod:`verl_tasks.status` and is re-exported here.
 """
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ import logging
 from typing import Any, Callable, Iterable, Iterator
 
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.errors import IntegrityError
-from verl_tasks.layout import Layout
 from verl_tasks.phase_registry import PHASES, phase as phase_spec
 from verl_tasks.phases import PhaseContext
-from verl_tasks.ops.safe_mode import read_safe_mode
-from verl_tasks.store import ObjectStore, store_for
-from verl_tasks.store.conventions import quarantine_records, read_latest
-from verl_tasks.store.units import MARKER, PRUNED, CommitRecord, is_committed, read_marker
+from verl_tasks.status import status
+from verl_tasks.store import store_for
+from verl_tasks.store.units import CommitRecord, is_committed
 
 log = logging.getLogger(__name__)
 
@@ -81,59 +79,6 @@ def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None,
                 if progress:
                     progress(phase, epoch, batch)
     return status(ctx.config, ctx.store)
-
-
-def _metrics(store: ObjectStore, unit: str) -> dict[str, Any]:
-    try:
-        record = read_marker(store, unit)
-    except IntegrityError:
-        return {}
-    return dict(record.meta.get("metrics", {})) if record else {}
-
-
-def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
-    """Per epoch, each phase's state and metrics; the latest snapshot; the base policy's metrics."""
-    layout = Layout(config.experiment)
-    keys = set(store.list(layout.root + "/epochs/")) | set(store.list(layout.snapshots + "/"))
-    epochs = []
-    for epoch in range(config.epochs):
-        phases: dict[str, Any] = {}
-        for phase, spec in PHASES.items():
-            if spec.batched:
-                units = [spec.unit(layout, epoch, b) for b in range(config.rollout.batches_per_epoch)]
-            else:
-                units = [spec.unit(layout, epoch)]
-            done = sum(f"{u}/{MARKER}" in keys for u in units)
-            state = "committed" if done == len(units) else ("absent" if done == 0 else f"{done}/{len(units)} committed")
-            if phase in ("snapshot", "update") and done and f"{units[0]}/{PRUNED}" in keys:
-                state = "pruned"  # weights deleted by retention: unavailable, not corrupt
-            phases[phase] = state
-        metrics = {}
-        if phases["update"] in ("committed", "pruned"):
-            upd = _metrics(store, layout.update(epoch))
-            metrics.update({k: upd[k] for k in ("reward_mean", "reward_std", "actor/loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/entropy") if k in upd})
-        if phases["evaluate"] == "committed":
-            metrics.update({k: v for k, v in _metrics(store, layout.evaluate(epoch)).items() if k.startswith("eval_")})
-        if any(v != "absent" for v in phases.values()):
-            epochs.append({"epoch": epoch, "phases": phases, "metrics": metrics})
-    pointer = read_latest(store, layout)
-    latest = {"epoch": pointer["version"] - 1 if pointer["version"] else None, "version": pointer["version"],
-              "uri": pointer.get("uri"), "weights_sha256": pointer.get("weights_sha256")} if pointer else None
-    base_metrics = {k: v for k, v in _metrics(store, layout.base_evaluate).items() if k.startswith("eval_")}
-    quarantined = quarantine_records(store, keys)
-    return {
-        "experiment": config.experiment,
-        "quarantined": quarantined,
-        "warnings": [
-            f"{q['unit']} was quarantined ({q['reason']})" + ("; recomputed since" if q["recovered"] else "; not recomputed yet")
-            for q in quarantined
-        ],
-        "store": store.uri,
-        "epochs": epochs,
-        "latest_snapshot": latest,
-        "base": {"metrics": base_metrics},
-        "safe_mode": read_safe_mode(store, layout),
-    }
 
 
 __all__ = ["make_context", "run_phase", "train", "status", "store_for"]

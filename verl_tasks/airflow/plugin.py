@@ -6,7 +6,7 @@ Mounted on the api-server at ``/verl-tasks`` (``fastapi_apps``) and linked from 
 Airflow's own ``get_user`` (401/403 without a valid token) and lists only the experiments whose DAG the
 auth manager lets the user read: each YAML in ``dags/experiments`` is the DAG named after its stem.
 ``?dag=ID`` shows one of them, ``?experiment=NAME`` another experiment name (a scheduled child, a fork)
-in that DAG's store. Data comes from ``verl_tasks.runner.status`` and ``verl_tasks.events.read_events``
+in that DAG's store. Data comes from ``verl_tasks.status.status`` and ``verl_tasks.events.read_events``
 (the newest ``EVENTS_SHOWN`` events): a handful of listings per experiment, one per prefix.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _svg_curve(rows: list[dict[str, Any]], base: float | None) -> str:
 def render_experiment(cfg, store) -> str:
     from verl_tasks.events import read_events
     from verl_tasks.layout import Layout
-    from verl_tasks.runner import status
+    from verl_tasks.status import status
 
     st = status(cfg, store)
     e = html.escape

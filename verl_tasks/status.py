@@ -1,0 +1,113 @@
+"""An experiment's state, read from its store alone: what ``verl-tasks status``, the dashboard and the metrics show.
+
+This module imports neither torch nor Airflow, so a status answers in well under
+a second. It reads the store with one listing per prefix (the epochs, the
+snapshots) and one marker per committed update and evaluation, read a few at a
+time so that an S3 store does not pay one round trip after another.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+from verl_tasks.config import ExperimentConfig
+from verl_tasks.errors import IntegrityError
+from verl_tasks.layout import Layout
+from verl_tasks.ops.safe_mode import read_safe_mode
+from verl_tasks.phase_registry import PHASES
+from verl_tasks.store.base import ObjectStore
+from verl_tasks.store.conventions import quarantine_records, read_latest
+from verl_tasks.store.units import MARKER, PRUNED, read_marker
+
+READERS = 8  # concurrent marker reads (S3 round trips overlap; a local disk does not mind)
+UPDATE_METRICS = ("reward_mean", "reward_std", "actor/loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
+                  "actor/entropy")
+
+
+def epoch_units(config: ExperimentConfig, layout: Layout, epoch: int) -> dict[str, list[str]]:
+    """Each phase's unit keys in ``epoch`` (one per batch for the batched phases), in execution order."""
+    batches = range(config.rollout.batches_per_epoch)
+    return {name: [spec.unit(layout, epoch, b) for b in batches] if spec.batched else [spec.unit(layout, epoch)]
+            for name, spec in PHASES.items()}
+
+
+def phase_state(phase: str, units: list[str], keys: set[str]) -> str:
+    """``committed``, ``absent``, ``K/N committed``, or ``pruned`` (retention deleted the weights; not corrupt)."""
+    done = sum(f"{unit}/{MARKER}" in keys for unit in units)
+    if phase in ("snapshot", "update") and done and f"{units[0]}/{PRUNED}" in keys:
+        return "pruned"
+    if done == len(units):
+        return "committed"
+    return "absent" if done == 0 else f"{done}/{len(units)} committed"
+
+
+def marker_metrics(store: ObjectStore, units: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Unit -> the ``metrics`` of its marker (empty when absent or unreadable), read concurrently."""
+    units = list(units)
+
+    def read(unit: str) -> dict[str, Any]:
+        try:
+            record = read_marker(store, unit)
+        except IntegrityError:
+            return {}
+        return dict(record.meta.get("metrics", {})) if record else {}
+
+    if len(units) <= 1:
+        return {unit: read(unit) for unit in units}
+    with ThreadPoolExecutor(max_workers=min(READERS, len(units))) as pool:
+        return dict(zip(units, pool.map(read, units)))
+
+
+def latest_snapshot(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
+    """The ``latest.json`` pointer as the status shows it (epoch, version, uri, weights_sha256), or None."""
+    pointer = read_latest(store, layout)
+    if not pointer:
+        return None
+    return {"epoch": pointer["version"] - 1 if pointer["version"] else None, "version": pointer["version"],
+            "uri": pointer.get("uri"), "weights_sha256": pointer.get("weights_sha256")}
+
+
+def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
+    """Per epoch, each phase's state and metrics; the latest snapshot; the base policy's metrics.
+
+    Returns:
+        ``experiment``, ``store`` (URI), ``epochs`` (rows with ``epoch``, ``phases``: phase -> state,
+        ``metrics``), ``latest_snapshot``, ``base`` (``metrics``), ``quarantined``, ``warnings`` and
+        ``safe_mode`` (the record while the experiment is halted, else None).
+    """
+    layout = Layout(config.experiment)
+    keys = set(store.list(layout.root + "/epochs/")) | set(store.list(layout.snapshots + "/"))
+    rows = []
+    for epoch in range(config.epochs):
+        phases = {phase: phase_state(phase, units, keys) for phase, units in epoch_units(config, layout, epoch).items()}
+        if any(state != "absent" for state in phases.values()):
+            rows.append({"epoch": epoch, "phases": phases, "metrics": {}})
+    wanted = [layout.base_evaluate]
+    for row in rows:
+        if row["phases"]["update"] in ("committed", "pruned"):
+            wanted.append(layout.update(row["epoch"]))
+        if row["phases"]["evaluate"] == "committed":
+            wanted.append(layout.evaluate(row["epoch"]))
+    metrics = marker_metrics(store, wanted)
+    for row in rows:
+        update = metrics.get(layout.update(row["epoch"]), {})
+        row["metrics"].update({k: update[k] for k in UPDATE_METRICS if k in update})
+        row["metrics"].update({k: v for k, v in metrics.get(layout.evaluate(row["epoch"]), {}).items()
+                               if k.startswith("eval_")})
+    quarantined = quarantine_records(store, keys)
+    return {
+        "experiment": config.experiment,
+        "quarantined": quarantined,
+        "warnings": [
+            f"{q['unit']} was quarantined ({q['reason']})" + ("; recomputed since" if q["recovered"] else "; not recomputed yet")
+            for q in quarantined
+        ],
+        "store": store.uri,
+        "epochs": rows,
+        "latest_snapshot": latest_snapshot(store, layout),
+        "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")}},
+        "safe_mode": read_safe_mode(store, layout),
+    }
+
+
+__all__ = ["status", "epoch_units", "phase_state", "marker_metrics", "latest_snapshot"]
