@@ -117,7 +117,9 @@ def run_unit(
     try:
         meta = produce(writer)
         ctx.hook("before_commit", phase=phase, unit=unit, epoch=epoch, batch=batch)
+        committing = time.monotonic()  # the store's share: check the attempt's files, write the marker
         record, won = writer.commit(meta)
+        commit_s = time.monotonic() - committing
     except Exception as err:
         record_event(
             ctx.store, ctx.layout, "failed", attempt=writer.attempt, error=f"{type(err).__name__}: {err}"[:2000],
@@ -127,7 +129,8 @@ def run_unit(
     size = sum(entry.size for entry in record.files.values())
     record_event(
         ctx.store, ctx.layout, "committed" if won else "lost_race", attempt=writer.attempt,
-        winner=record.attempt, duration_s=round(time.monotonic() - started, 3), bytes=size, **ids,
+        winner=record.attempt, duration_s=round(time.monotonic() - started, 3), commit_s=round(commit_s, 4),
+        bytes=size, **ids,
     )
     return record
 
