@@ -260,6 +260,8 @@ class ScheduleConfig(Strict):
     cron: str | None = None
     asset: str | None = Field(None, description="run when this prompt-data URI is updated")
     parent: str | None = Field(None, description="continue from this experiment's latest snapshot")
+    promote_margin: float = Field(0.0, ge=-1, le=1, description="publish the final snapshot as the promoted asset "
+                                  "only when its eval accuracy beats the snapshot the run started from by more")
 
 
 class ExperimentConfig(Strict):
