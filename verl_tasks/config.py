@@ -264,6 +264,16 @@ class ScheduleConfig(Strict):
                                   "only when its eval accuracy beats the snapshot the run started from by more")
 
 
+class TrackingConfig(Strict):
+    """Experiment trackers fed once per epoch by each committed update and evaluation (verl_tasks.tracking).
+
+    Not hashed: a tracker may be added or moved between runs. Needs the ``tracking`` extra.
+    """
+
+    mlflow: str | None = Field(None, description="MLflow tracking URI: sqlite:///mlflow.db, http://host:5000, ...")
+    tensorboard: str | None = Field(None, description="folder for TensorBoard event files")
+
+
 class ExperimentConfig(Strict):
     experiment: str
     seed: int = 0
@@ -280,6 +290,7 @@ class ExperimentConfig(Strict):
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     resources: dict[str, Resources] = Field(default_factory=dict, description="per phase")
     schedule: ScheduleConfig = ScheduleConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @field_validator("experiment")
     @classmethod

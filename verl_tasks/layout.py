@@ -102,6 +102,10 @@ class Layout:
     def safe_mode(self) -> str:
         return f"{self.root}/control/safe_mode.json"
 
+    def tracking(self, tracker: str) -> str:
+        """Where this experiment records its run in an outside tracker (``verl_tasks.tracking``)."""
+        return f"{self.root}/tracking/{tracker}.json"
+
     def unit(self, phase: str, epoch: int, batch: int | None = None) -> str:
         """The unit key of a phase (batch only for the batched phases: rollout and score)."""
         from verl_tasks.phase_registry import phase as phase_spec

@@ -31,6 +31,7 @@ from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
 from verl_tasks.store.conventions import check_not_pruned
 from verl_tasks.store.units import CommitRecord, UnitWriter, download, quarantine, read_marker
+from verl_tasks.tracking import track_commit
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ def run_unit(
         winner=record.attempt, duration_s=round(time.monotonic() - started, 3), commit_s=round(commit_s, 4),
         bytes=size, **ids,
     )
+    if won:
+        track_commit(ctx, phase, unit, epoch, record)
     return record
 
 

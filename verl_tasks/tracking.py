@@ -1,0 +1,166 @@
+"""Experiment trackers: each committed update and evaluation logs its metrics once, keyed by epoch.
+
+``tracking.mlflow`` (a tracking URI) and ``tracking.tensorboard`` (a folder) are optional
+(``pip install 'verl-tasks[tracking]'``); their libraries are imported only when configured, and
+this module imports no torch.
+
+A unit commits once, but a rolled-back or quarantined unit commits again when it is recomputed.
+So each tracker is first asked which (metric, epoch) values it already holds and only the
+missing ones are written: the tracker holds at most one value per metric per epoch (the step).
+Metric names are ``<phase>/<metric>`` (``update/reward_mean``, ``evaluate/eval_accuracy``);
+the base policy's evaluation is ``base_evaluate/...`` at step 0.
+
+MLflow: one run per experiment and tracking URI. Its id is recorded in the store under
+``<experiment>/tracking/`` with a write-if-absent, so two workers never make two runs; the
+run holds the hashed config as parameters and, per epoch, the URI of the snapshot the
+epoch produced as a tag (``snapshot/epoch_00003``).
+
+A tracker that fails (unreachable, not installed, a bad URI) never fails the unit: it logs a
+warning and records a ``tracking_failed`` event; ``tracked`` events count what was written.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from verl_tasks.config import ExperimentConfig, flatten
+from verl_tasks.events import record_event
+from verl_tasks.store.base import NotFound
+
+if TYPE_CHECKING:
+    from verl_tasks.phases.common import PhaseContext
+    from verl_tasks.store.units import CommitRecord
+
+log = logging.getLogger(__name__)
+
+TRACKED_PHASES = ("update", "evaluate")
+MLFLOW_PARAMS_PER_CALL = 100  # MLflow's log_batch limit
+
+
+def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: CommitRecord) -> None:
+    """Log a just-committed update or evaluation to each configured tracker; other phases do nothing."""
+    trackers = ctx.config.tracking
+    if phase not in TRACKED_PHASES or not (trackers.mlflow or trackers.tensorboard):
+        return
+    base = unit == ctx.layout.base_evaluate
+    prefix = "base_evaluate" if base else phase
+    metrics = {f"{prefix}/{name}": float(value) for name, value in (record.meta.get("metrics") or {}).items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    version = 0 if base else epoch + 1
+    tags = {"snapshot/base" if base else f"snapshot/epoch_{epoch:05d}": ctx.store.url(ctx.layout.snapshot(version))}
+    for name, target, write in (("mlflow", trackers.mlflow, _log_mlflow), ("tensorboard", trackers.tensorboard, _log_tensorboard)):
+        if not target:
+            continue
+        try:
+            logged, present = write(ctx, target, epoch, metrics, tags)
+        except Exception as err:  # noqa: BLE001 - a tracker must never fail a committed unit
+            error = f"{type(err).__name__}: {err}"[:2000]
+            if isinstance(err, ImportError):
+                error += "; install the tracking extra: pip install 'verl-tasks[tracking]'"
+            log.warning("%s tracking of %s failed (the unit stays committed): %s", name, unit, error)
+            record_event(ctx.store, ctx.layout, "tracking_failed", tracker=name, phase=phase, unit=unit,
+                         epoch=epoch, error=error)
+            continue
+        record_event(ctx.store, ctx.layout, "tracked", tracker=name, phase=phase, unit=unit, epoch=epoch,
+                     logged=logged, already_present=present)
+
+
+def _log_mlflow(ctx: PhaseContext, uri: str, epoch: int, metrics: dict[str, float],
+                tags: dict[str, str]) -> tuple[int, int]:
+    """Write the values the run lacks at step ``epoch``; returns (written, already present)."""
+    from mlflow.entities import Metric, RunTag
+
+    client = _mlflow_client(uri)
+    run_id = _mlflow_run(ctx, client, uri)
+    missing = {key: value for key, value in metrics.items()
+               if all(m.step != epoch for m in client.get_metric_history(run_id, key))}
+    now_ms = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(key, value, now_ms, epoch) for key, value in missing.items()],
+                     tags=[RunTag(key, value) for key, value in tags.items()])
+    return len(missing), len(metrics) - len(missing)
+
+
+@functools.lru_cache(maxsize=4)
+def _mlflow_client(uri: str) -> Any:
+    """One client per URI and process (a SQLite store migrates its schema on first open)."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _mlflow_run(ctx: PhaseContext, client: Any, uri: str) -> str:
+    """The experiment's run id: the one recorded in the store, else a new run recorded if absent."""
+    key = ctx.layout.tracking("mlflow-" + hashlib.sha256(uri.encode()).hexdigest()[:12])
+    try:
+        return json.loads(ctx.store.get(key))["run_id"]
+    except NotFound:
+        pass
+    cfg = ctx.config
+    run = client.create_run(
+        _mlflow_experiment(client, cfg.experiment), run_name=cfg.experiment,
+        tags={"verl_tasks.experiment": cfg.experiment, "verl_tasks.config_hash": cfg.config_hash(),
+              "verl_tasks.store": ctx.store.url(ctx.layout.root)},
+    )
+    run_id = run.info.run_id
+    _log_params(client, run_id, cfg)
+    body = {"tracking_uri": uri, "experiment_id": run.info.experiment_id, "run_id": run_id}
+    if ctx.store.put_if_absent(key, json.dumps(body, sort_keys=True).encode()):
+        return run_id
+    client.delete_run(run_id)  # another worker recorded its run first: use that one
+    return json.loads(ctx.store.get(key))["run_id"]
+
+
+def _mlflow_experiment(client: Any, name: str) -> str:
+    """The id of the MLflow experiment named like ours, created if missing (tolerates a concurrent create)."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def _log_params(client: Any, run_id: str, config: ExperimentConfig) -> None:
+    """The hashed (training-relevant) config, flattened to dotted keys, as the run's parameters."""
+    from mlflow.entities import Param
+
+    params = [Param(key, json.dumps(value) if isinstance(value, (list, dict)) else str(value))
+              for key, value in sorted(flatten(config.hashed_view()).items())]
+    for start in range(0, len(params), MLFLOW_PARAMS_PER_CALL):
+        client.log_batch(run_id, params=params[start : start + MLFLOW_PARAMS_PER_CALL])
+
+
+def _log_tensorboard(ctx: PhaseContext, folder: str, epoch: int, metrics: dict[str, float],
+                     tags: dict[str, str]) -> tuple[int, int]:
+    """Scalars the folder's event files lack at step ``epoch``, in a new event file (tags: MLflow only)."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    present = _tensorboard_values(Path(folder))
+    missing = {key: value for key, value in metrics.items() if (key, epoch) not in present}
+    if missing:
+        writer = EventFileWriter(folder)
+        summary = Summary(value=[Summary.Value(tag=key, simple_value=value) for key, value in missing.items()])
+        writer.add_event(Event(wall_time=time.time(), step=epoch, summary=summary))
+        writer.close()
+    return len(missing), len(metrics) - len(missing)
+
+
+def _tensorboard_values(folder: Path) -> set[tuple[str, int]]:
+    """(tag, step) of every scalar already written to the folder."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    return {(value.tag, event.step) for path in sorted(folder.glob("events.out.tfevents.*"))
+            for event in LegacyEventFileLoader(str(path)).Load() for value in event.summary.value}
