@@ -8,8 +8,9 @@ Tiered response:
    all its retries (``on_failure_callback``), the experiment enters **safe mode**:
    ``control/safe_mode.json`` is written, so no unit of that experiment starts anywhere;
    the DAG is paused through the REST API (connection ``verl_airflow_api``) when one is
-   configured; and the optional user callback (``VERL_TASKS_FAILURE_CALLBACK=module:function``)
-   gets the summary;
+   configured; and the DAG's notifiers (Airflow ``BaseNotifier`` objects given to
+   ``build_dag(..., notifiers=[...])``, e.g. a provider's Slack or SMTP notifier) are called
+   with the task's context plus ``alert`` (the summary, what to do, the experiment);
 3. a person resumes: ``verl-tasks resume`` or a **Clear** of the failed tasks. The operators
    call :func:`lift_safe_mode_if_cleared` first: the first try after a clear lifts safe mode
    (an automatic retry never does) and the event log records the clear, with the user when
@@ -17,13 +18,14 @@ Tiered response:
 """
 from __future__ import annotations
 
-import importlib
+import functools
 import json
 import logging
 import os
 import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
+from collections.abc import Callable
 from typing import Any
 
 from verl_tasks.events import read_events, record_event
@@ -133,19 +135,26 @@ def lift_safe_mode_if_cleared(context: dict[str, Any], cfg: Any, store: Any) -> 
     return lifted is not None
 
 
-def _notify(summary: dict[str, Any]) -> None:
-    target = os.environ.get("VERL_TASKS_FAILURE_CALLBACK")
-    if not target:
-        return
-    module, _, name = target.partition(":")
-    try:
-        getattr(importlib.import_module(module), name)(summary)
-    except Exception as err:  # noqa: BLE001 - a broken notifier must not hide the failure
-        log.warning("failure callback %s raised %s", target, err)
+def escalation(callback: Callable[..., None], notifiers: list[Any] | None) -> Callable[..., None]:
+    """``on_retry`` or ``on_failure`` bound to the notifiers that safe mode calls (itself when there are none)."""
+    return functools.partial(callback, notifiers=tuple(notifiers)) if notifiers else callback
+
+
+def notify(notifiers: tuple[Any, ...], context: dict[str, Any], alert: dict[str, Any]) -> None:
+    """Call each notifier (``BaseNotifier`` or any callable taking the context) with ``alert`` in the context.
+
+    A notifier that raises is logged and the next one still runs: a broken notifier must not
+    hide the failure, nor keep the others from hearing of it.
+    """
+    for notifier in notifiers:
+        try:
+            notifier({**context, "alert": alert})
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            log.warning("notifier %s raised %s: %s", type(notifier).__name__, type(err).__name__, err)
 
 
 def _halt(context: dict[str, Any], cfg: Any, store: Any, failed: list[dict[str, Any]],
-          reason: str) -> dict[str, Any] | None:
+          reason: str, notifiers: tuple[Any, ...] = ()) -> dict[str, Any] | None:
     """Safe mode first (the guard), then pause the DAG, then record whether it really was paused.
 
     An experiment already halted keeps its record: the units safe mode refuses fail too,
@@ -162,11 +171,11 @@ def _halt(context: dict[str, Any], cfg: Any, store: Any, failed: list[dict[str, 
         paused, detail = pause_dag(dag_id)
         summary = note_dag_pause(store, Layout(cfg.experiment), paused, detail) or summary
     log.error("SAFE MODE: %s\n%s", summary["summary"], summary["what_to_do"])
-    _notify(summary)
+    notify(notifiers, context, {"kind": "safe_mode", "experiment": cfg.experiment, "dag_id": dag_id, **summary})
     return summary
 
 
-def on_retry(context: dict[str, Any]) -> None:
+def on_retry(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None:
     """Record the failed try; escalate when too many of the epoch's batches have failed since the last resume."""
     cfg, store, layout, unit, info = _unit_info(context)
     task = context["task"]
@@ -182,12 +191,12 @@ def on_retry(context: dict[str, Any]) -> None:
     if share > cfg.fault_tolerance.max_failed_batch_fraction:
         _halt(context, cfg, store, [info],
               f"{share:.0%} of epoch {task.epoch}'s batches failed (limit "
-              f"{cfg.fault_tolerance.max_failed_batch_fraction:.0%})")
+              f"{cfg.fault_tolerance.max_failed_batch_fraction:.0%})", notifiers)
 
 
-def on_failure(context: dict[str, Any]) -> None:
+def on_failure(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None:
     """A unit failed after all its retries: halt the experiment."""
     cfg, store, layout, unit, info = _unit_info(context)
     record_event(store, layout, TASK_FAILED, epoch=context["task"].epoch, phase=context["task"].phase,
                  batch=context["task"].batch, final=True, **info)
-    _halt(context, cfg, store, [info], f"{unit} failed after all its retries")
+    _halt(context, cfg, store, [info], f"{unit} failed after all its retries", notifiers)

@@ -3,10 +3,13 @@
 Shape (``E`` epochs from the YAML, ``B`` = ``rollout.batches_per_epoch``)::
 
     configure -> epoch_000[ plan -> rollout[B] -> score[B] -> validate -> update -> snapshot (-> evaluate) ]
-              -> epoch_001[ plan ... ] -> ...
+              -> epoch_001[ plan ... ] -> ... (every evaluate -> promote, in retraining DAGs)
 
 Every task is one idempotent unit (see :mod:`verl_tasks.airflow.operators`); the next
 epoch's ``plan`` waits for this epoch's ``snapshot`` (``evaluate`` is a side branch).
+A DAG with a ``schedule`` (cron, asset or parent) ends with ``promote``, the promotion gate
+(:mod:`verl_tasks.airflow.promotion`). ``notifiers`` (Airflow ``BaseNotifier`` objects) hear
+about safe mode (:mod:`verl_tasks.airflow.callbacks`).
 Importing this module imports neither torch nor ray.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup
 
 from verl_tasks.airflow import callbacks, runconfig
 from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
+from verl_tasks.airflow.promotion import PromoteSnapshotOperator, promoted_asset
 from verl_tasks.config import NAME_PATTERN, TRIGGER_OVERRIDABLE, parse_config
 from verl_tasks.execution.lineage import RESUME_MODES
 from verl_tasks.phase_registry import PHASES
@@ -80,8 +84,12 @@ def _schedule(cfg) -> Any:
 
 def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str | None = None,
               gpu_pool: str = GPU_POOL, ray_conn_id: str | None = "ray_default", aws_conn_id: str | None = None,
-              tags: list[str] | None = None) -> DAG:
-    """A DAG for one experiment YAML. Raises ConfigError when the YAML is invalid."""
+              tags: list[str] | None = None, notifiers: list[Any] | None = None) -> DAG:
+    """A DAG for one experiment YAML. Raises ConfigError when the YAML is invalid.
+
+    ``notifiers``: Airflow notifiers (``BaseNotifier``, e.g. a provider's Slack or SMTP one)
+    called when the experiment enters safe mode, with the summary in the context as ``alert``.
+    """
     yaml_path = Path(yaml_path).resolve()
     raw = runconfig.read_yaml(yaml_path)
     cfg = parse_config(raw)
@@ -96,6 +104,8 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
         "max_retry_delay": timedelta(seconds=ft.max_retry_delay_s),
     }
     asset = snapshot_asset(dag_id)
+    retraining = bool(cfg.schedule.cron or cfg.schedule.asset or cfg.schedule.parent)
+    promoted = promoted_asset(dag_id)
     doc = (
         f"### {cfg.experiment}: RL post-training as idempotent tasks\n\n"
         f"Built from `{yaml_path.name}`: {cfg.epochs} epochs x {cfg.rollout.batches_per_epoch} rollout batches of "
@@ -105,6 +115,10 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
         + (f"\n\nScheduled runs start a new experiment `{cfg.experiment}-<timestamp>`"
            + (f" from `{cfg.schedule.parent}`'s latest snapshot." if cfg.schedule.parent else ".")
            if (cfg.schedule.cron or cfg.schedule.asset) else "")
+        + (f"\n\n**Promotion gate**: `promote` publishes the final snapshot as the asset `{promoted.uri}` only "
+           f"when its eval accuracy beats the snapshot the run started from by more than "
+           f"{cfg.schedule.promote_margin:g}; otherwise it is skipped with the reason and the snapshot is kept. "
+           f"Deploy or export DAGs schedule on that asset." if retraining else "")
     )
     common = {"config_path": str(yaml_path), "backend": backend, "ray_conn_id": ray_conn_id, "aws_conn_id": aws_conn_id}
     with DAG(
@@ -125,6 +139,7 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                    "A changed hyperparameter under an existing experiment name fails here with the differing keys.",
         )
         previous = configure
+        evaluations: list[Any] = []
         for epoch in range(cfg.epochs):
             with TaskGroup(group_id=f"epoch_{epoch:03d}", tooltip=f"epoch {epoch} -> policy version {epoch + 1}"):
                 tasks = {}
@@ -137,8 +152,12 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                     if timeout:
                         kwargs["execution_timeout"] = timedelta(seconds=timeout)
                     if ft.safe_mode:
-                        kwargs["on_retry_callback"] = callbacks.on_retry
-                        kwargs["on_failure_callback"] = callbacks.on_failure
+                        kwargs["on_retry_callback"] = callbacks.escalation(callbacks.on_retry, notifiers)
+                        kwargs["on_failure_callback"] = callbacks.escalation(callbacks.on_failure, notifiers)
+                    if phase in ("score", "validate") and ft.min_committed_batch_fraction < 1:
+                        # A mapped task waits on every instance upstream: a batch that failed for good must
+                        # not block the others' scores, nor validate, which records the batches it may skip.
+                        kwargs["trigger_rule"] = "all_done"
                     if phase in GPU_PHASES and gpu_pool:
                         kwargs["pool"] = gpu_pool
                     if phase == "snapshot" and epoch == cfg.epochs - 1:
@@ -154,5 +173,15 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                 tasks["validate"] >> tasks["update"] >> tasks["snapshot"]
                 if "evaluate" in tasks:
                     tasks["snapshot"] >> tasks["evaluate"]
+                    evaluations.append(tasks["evaluate"])
                 previous = tasks["snapshot"]
+        if retraining:
+            evaluations >> PromoteSnapshotOperator(
+                task_id="promote", config_path=str(yaml_path), asset=promoted, aws_conn_id=aws_conn_id, retries=0,
+                trigger_rule="none_failed",
+                doc_md="The promotion gate: publishes the final snapshot as the promoted asset when its eval "
+                       "accuracy beats the snapshot the run started from by more than `schedule.promote_margin`; "
+                       "otherwise skipped, with the reason in the log and a `promotion` event in the store. It "
+                       "waits for every evaluation (a run of fewer epochs than the DAG skips the later ones).",
+            )
     return dag
