@@ -188,6 +188,12 @@ def status(
     if result["safe_mode"]:
         out.print(f"[bold red]SAFE MODE[/]: {result['safe_mode'].get('summary')}")
     out.print(f"latest snapshot: {result['latest_snapshot']}")
+    if result.get("best_snapshot"):
+        out.print(f"best snapshot: {result['best_snapshot']}")
+    for row in result["epochs"]:
+        if row.get("skipped_batches"):
+            out.print(f"epoch {row['epoch']}: skipped batches {row['skipped_batches']} "
+                      f"(failed all their retries; fault_tolerance.min_committed_batch_fraction)")
     if curve:
         from verl_tasks.report import curve_markdown
 

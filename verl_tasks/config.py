@@ -28,6 +28,10 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Sections whose values change what is computed; the rest (epochs, storage,
 # fault tolerance, resources, schedule) may change between runs of one experiment.
 # torch_threads changes float summation order on CPU, hence the bytes of every unit (ADR 0002).
+# Hashed keys added after experiments were pinned: left out of the hash at these defaults, so
+# those experiments (trained without them) still resume.
+ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps": 0,
+                    "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0}
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
@@ -141,7 +145,24 @@ class LossAgg(str, Enum):
     seq_mean_token_mean = "seq-mean-token-mean"
 
 
+class LRSchedule(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
 class AlgorithmConfig(Strict):
+    """GRPO hyperparameters and the learning-rate schedule.
+
+    The learning rate of optimizer step ``k`` (the global step, counted in
+    ``trainer_state.json``) is ``algos.lr_at(k, ...)``: a pure function of ``k``, so a
+    resumed run sets exactly the rates an uninterrupted one would. ``total_steps``, when
+    not given, is derived when the config is loaded as ``epochs x`` optimizer steps per
+    epoch and written into this section, so it is hashed and pinned like any
+    hyperparameter: changing ``epochs`` of a scheduled experiment changes its schedule
+    and is refused; set ``total_steps`` explicitly to extend a run.
+    """
+
     name: Literal["grpo"] = "grpo"
     group_size: int = Field(8, gt=0, description="samples per prompt (verl rollout.n)")
     norm_adv_by_std: bool = True
@@ -158,6 +179,10 @@ class AlgorithmConfig(Strict):
     minibatch_size: int = Field(64, gt=0, description="sequences per optimizer step")
     grad_clip: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, gt=0)
+    lr_schedule: LRSchedule = LRSchedule.constant
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from lr/warmup_steps to lr")
+    total_steps: int | None = Field(None, gt=0, description="schedule horizon; default epochs x steps per epoch")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="linear/cosine decay ends at lr x min_lr_ratio")
 
     @model_validator(mode="after")
     def _std_needs_groups(self) -> "AlgorithmConfig":
@@ -216,6 +241,8 @@ class StorageConfig(Strict):
     sse: Literal["none", "AES256", "aws:kms"] = "none"
     sse_kms_key_id: str | None = None
     keep_snapshots: int = Field(3, gt=0, description="snapshots kept besides the base")
+    keep_best_by: Literal["eval_accuracy", "eval_reward_mean"] | None = Field(
+        None, description="also keep the snapshot with the highest value of this evaluation metric (best.json)")
     aws_conn_id: str | None = Field(None, description="Airflow connection for S3 credentials")
 
     @field_validator("uri")
@@ -244,6 +271,13 @@ class FaultToleranceConfig(Strict):
     timeout_s: dict[str, float] = Field(default_factory=dict, description="per phase")
     max_failed_batch_fraction: float = Field(0.5, gt=0, le=1)
     safe_mode: bool = Field(True, description="halt the experiment when a unit exhausts its retries")
+    min_committed_batch_fraction: float = Field(
+        1.0, gt=0, le=1, description="below 1: an epoch goes on without batches that failed all their retries, "
+                                     "while at least this share of its batches is committed")
+
+    def may_skip(self, failed: int, batches: int) -> bool:
+        """Whether an epoch of ``batches`` batches may go on without ``failed`` of them."""
+        return self.min_committed_batch_fraction < 1 and (batches - failed) >= self.min_committed_batch_fraction * batches
 
     @field_validator("timeout_s")
     @classmethod
@@ -319,6 +353,21 @@ class ExperimentConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _schedule_horizon(self) -> "ExperimentConfig":
+        algo = self.algorithm
+        if algo.lr_schedule != LRSchedule.constant and algo.total_steps is None:
+            algo.total_steps = self.epochs * self.optimizer_steps_per_epoch
+        if algo.total_steps is not None and algo.warmup_steps > algo.total_steps:
+            raise ValueError(f"algorithm.warmup_steps ({algo.warmup_steps}) exceeds algorithm.total_steps "
+                             f"({algo.total_steps}); lower it")
+        return self
+
+    @property
+    def optimizer_steps_per_epoch(self) -> int:
+        """Optimizer steps of an epoch whose batches are all committed (fewer when batches are skipped)."""
+        return self.algorithm.ppo_epochs * -(-self.samples_per_epoch // self.algorithm.minibatch_size)
+
     @property
     def prompts_per_epoch(self) -> int:
         return self.rollout.batches_per_epoch * self.rollout.prompts_per_batch
@@ -340,6 +389,10 @@ class ExperimentConfig(Strict):
         """The training-relevant settings, as plain JSON values."""
         dumped = self.model_dump(mode="json")
         dumped["model"].pop("device")  # placement, like resources: results agree within tolerance (ADR 0002)
+        for dotted, default in ADDED_AT_DEFAULT.items():
+            section, key = dotted.split(".")
+            if dumped[section].get(key) == default:
+                del dumped[section][key]
         return {key: dumped[key] for key in HASHED_SECTIONS}
 
     def config_hash(self) -> str:

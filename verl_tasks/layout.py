@@ -5,6 +5,7 @@
     <experiment>/experiment.json                 config + hash, written once
     <experiment>/data/{train,eval}/              normalised prompts, pinned on first run
     <experiment>/epochs/00003/plan/              prompt ids per batch, seeds, policy version
+    <experiment>/epochs/00003/skipped/           batches the epoch went on without (only when some were)
     <experiment>/epochs/00003/rollout/b0007/     samples.jsonl
     <experiment>/epochs/00003/score/b0007/       scores.jsonl
     <experiment>/epochs/00003/validate/          report.json
@@ -12,6 +13,7 @@
     <experiment>/epochs/00003/evaluate/          accuracy of policy version 4
     <experiment>/snapshots/00004/                HF-loadable folder + optimizer + trainer_state.json
     <experiment>/snapshots/latest.json           pointer to the newest committed snapshot
+    <experiment>/snapshots/best.json             the best snapshot by storage.keep_best_by (when set)
     <experiment>/base/evaluate/                  accuracy of policy version 0
     <experiment>/events/                         one JSON object per event
     <experiment>/tombstones/                     markers of rolled-back units
@@ -66,6 +68,9 @@ class Layout:
     def score(self, epoch: int, batch: int) -> str:
         return f"{self.epoch(epoch)}/score/b{_check_index(batch, 'batch', MAX_BATCH):04d}"
 
+    def skipped(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/skipped"
+
     def validate(self, epoch: int) -> str:
         return f"{self.epoch(epoch)}/validate"
 
@@ -89,6 +94,10 @@ class Layout:
     @property
     def latest(self) -> str:
         return f"{self.snapshots}/latest.json"
+
+    @property
+    def best(self) -> str:
+        return f"{self.snapshots}/best.json"
 
     @property
     def events(self) -> str:

@@ -7,13 +7,16 @@ lives in the torch-free :mod:`verl_tasks.status` and is re-exported here.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 from verl_tasks.config import ExperimentConfig
+from verl_tasks.errors import ConfigError, SafeMode, SnapshotPruned
 from verl_tasks.phase_registry import PHASES, phase as phase_spec
 from verl_tasks.phases import PhaseContext
 from verl_tasks.status import status
 from verl_tasks.store import store_for
+from verl_tasks.store.conventions import read_skipped
 from verl_tasks.store.units import CommitRecord, is_committed
 
 log = logging.getLogger(__name__)
@@ -44,11 +47,42 @@ def epoch_units(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[
 UnitRunner = Callable[[PhaseContext, str, int, list], Iterable]
 
 
+# Failures that another in-process try cannot change: they stop the run whatever the batch fraction.
+NOT_SKIPPABLE = (ConfigError, SafeMode, SnapshotPruned)
+
+
 def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int | None]) -> Iterator[int | None]:
-    """The inline unit runner: one unit after another in this process; yields each batch when committed."""
+    """The inline unit runner: one unit after another in this process; yields each batch when committed.
+
+    Inline there is no scheduler to retry, so with ``fault_tolerance.min_committed_batch_fraction``
+    below 1 a batched unit that raises is tried ``1 + fault_tolerance.retries`` times here
+    (``retry_delay_s`` apart) and then left out: the epoch's validate decides whether it may go
+    on without that batch (and records it as skipped). At 1.0 the first failure stops the run.
+    """
+    ft = ctx.config.fault_tolerance
+    tolerant = phase_spec(phase).batched and ft.min_committed_batch_fraction < 1
     for batch in batches:
-        run_phase(ctx, phase, epoch, batch)
-        yield batch
+        if not tolerant:
+            run_phase(ctx, phase, epoch, batch)
+            yield batch
+        elif _tried(ctx, phase, epoch, batch, 1 + ft.retries, ft.retry_delay_s):
+            yield batch
+
+
+def _tried(ctx: PhaseContext, phase: str, epoch: int, batch: int | None, tries: int, delay_s: float) -> bool:
+    """Run one unit up to ``tries`` times; False when every try raised."""
+    for attempt in range(1, tries + 1):
+        try:
+            run_phase(ctx, phase, epoch, batch)
+            return True
+        except NOT_SKIPPABLE:
+            raise
+        except Exception as err:  # noqa: BLE001 - a failed batch may be skipped: validate decides
+            log.warning("%s of epoch %d batch %s failed (try %d of %d): %s: %s", phase, epoch, batch, attempt, tries,
+                        type(err).__name__, err)
+            if attempt < tries:
+                time.sleep(delay_s)
+    return False
 
 
 def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
@@ -74,10 +108,16 @@ def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None,
             if progress:
                 progress("epoch-skipped", epoch, None)
             continue
+        left_out = set(read_skipped(ctx.store, ctx.layout, epoch))  # and batches whose units failed for good
         for phase, batches in epoch_phases(ctx, epoch, epochs):
+            if phase_spec(phase).batched:
+                batches = [b for b in batches if b not in left_out]
+            done = []
             for batch in run_units(ctx, phase, epoch, batches):
+                done.append(batch)
                 if progress:
                     progress(phase, epoch, batch)
+            left_out |= set(batches) - set(done)
     return status(ctx.config, ctx.store)
 
 

@@ -16,7 +16,7 @@ from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import read_safe_mode
 from verl_tasks.phase_registry import PHASES
 from verl_tasks.store.base import ObjectStore
-from verl_tasks.store.conventions import quarantine_records, read_latest
+from verl_tasks.store.conventions import quarantine_records, read_best, read_latest, read_skipped
 from verl_tasks.store.units import MARKER, PRUNED, read_marker
 
 READERS = 8  # concurrent marker reads (S3 round trips overlap; a local disk does not mind)
@@ -72,7 +72,8 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
 
     Returns:
         ``experiment``, ``store`` (URI), ``epochs`` (rows with ``epoch``, ``phases``: phase -> state,
-        ``metrics``), ``latest_snapshot``, ``base`` (``metrics``), ``quarantined``, ``warnings`` and
+        ``metrics``, ``skipped_batches`` when the epoch went on without some), ``latest_snapshot``,
+        ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``), ``quarantined``, ``warnings`` and
         ``safe_mode`` (the record while the experiment is halted, else None).
     """
     layout = Layout(config.experiment)
@@ -82,6 +83,8 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         phases = {phase: phase_state(phase, units, keys) for phase, units in epoch_units(config, layout, epoch).items()}
         if any(state != "absent" for state in phases.values()):
             rows.append({"epoch": epoch, "phases": phases, "metrics": {}})
+            if f"{layout.skipped(epoch)}/{MARKER}" in keys:  # batches the epoch went on without
+                rows[-1]["skipped_batches"] = read_skipped(store, layout, epoch)
     wanted = [layout.base_evaluate]
     for row in rows:
         if row["phases"]["update"] in ("committed", "pruned"):
@@ -105,6 +108,7 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "store": store.uri,
         "epochs": rows,
         "latest_snapshot": latest_snapshot(store, layout),
+        "best_snapshot": read_best(store, layout) if config.storage.keep_best_by else None,
         "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")}},
         "safe_mode": read_safe_mode(store, layout),
     }

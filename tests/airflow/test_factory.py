@@ -78,3 +78,15 @@ def test_resolve_overrides_and_scheduled_names(tmp_path, monkeypatch):
         runconfig.resolve(TINY, {"epochs": 99}, manual)
     with pytest.raises(ConfigError):
         runconfig.resolve(TINY, {"overrides": {"algorithm.nope": 1}}, manual)
+
+
+def test_skippable_batches_do_not_block_score_and_validate(tmp_path):
+    raw = yaml.safe_load(TINY.read_text())
+    raw.setdefault("fault_tolerance", {})["min_committed_batch_fraction"] = 0.75
+    path = tmp_path / "skippable.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dag = build_dag(path)
+    assert dag.get_task("epoch_000.score").trigger_rule == "all_done"
+    assert dag.get_task("epoch_000.validate").trigger_rule == "all_done"
+    assert dag.get_task("epoch_000.update").trigger_rule == "all_success"
+    assert build_dag(TINY).get_task("epoch_000.validate").trigger_rule == "all_success"

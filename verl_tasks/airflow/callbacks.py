@@ -195,8 +195,22 @@ def on_retry(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None:
 
 
 def on_failure(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None:
-    """A unit failed after all its retries: halt the experiment."""
+    """A unit failed after all its retries: halt the experiment, unless the epoch may go on without its batch.
+
+    With ``fault_tolerance.min_committed_batch_fraction`` below 1, a batch whose rollout or score
+    failed for good is left to the epoch's validate (it runs on ``all_done`` and records the
+    skipped batches) while the batches failed for good still leave that share committed.
+    """
     cfg, store, layout, unit, info = _unit_info(context)
-    record_event(store, layout, TASK_FAILED, epoch=context["task"].epoch, phase=context["task"].phase,
-                 batch=context["task"].batch, final=True, **info)
+    task = context["task"]
+    record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True, **info)
+    if task.batch is not None:
+        lost = {e.get("batch") for e in since_resume(read_events(store, layout))
+                if e.get("kind") == TASK_FAILED and e.get("final") and e.get("epoch") == task.epoch
+                and e.get("batch") is not None}
+        if cfg.fault_tolerance.may_skip(len(lost), cfg.rollout.batches_per_epoch):
+            log.warning("%s failed for good; epoch %d goes on without batch %s (%d of %d batches lost, "
+                        "min_committed_batch_fraction %s)", unit, task.epoch, task.batch, len(lost),
+                        cfg.rollout.batches_per_epoch, cfg.fault_tolerance.min_committed_batch_fraction)
+            return
     _halt(context, cfg, store, [info], f"{unit} failed after all its retries", notifiers)

@@ -7,12 +7,15 @@ from verl_tasks.algos.core import (
     masked_mean,
     policy_loss_vanilla,
 )
+from verl_tasks.algos.schedule import lr_at, schedule_of
 
 __all__ = [
     "aggregate_loss",
     "entropy_from_logits",
     "grpo_outcome_advantage",
     "kl_penalty",
+    "lr_at",
     "masked_mean",
     "policy_loss_vanilla",
+    "schedule_of",
 ]

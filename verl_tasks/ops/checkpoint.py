@@ -18,7 +18,7 @@ from verl_tasks.errors import ConfigError, IntegrityError, StoreError
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
-from verl_tasks.store.conventions import TRAINING_ONLY, WEIGHTS, snapshot_versions
+from verl_tasks.store.conventions import TRAINING_ONLY, WEIGHTS, read_best, snapshot_versions
 from verl_tasks.store.units import CommitRecord, download, is_pruned, read_json, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def verify(ref: SnapshotRef) -> Verdict:
 
 
 def inspect(ref: SnapshotRef) -> dict[str, Any]:
-    """Epoch, step, sizes, config hash, metrics and parent of one snapshot (JSON-serialisable)."""
+    """Epoch, step, lr schedule, sizes, config hash, metrics, parent and whether ``best.json`` names it."""
     record = read_marker(ref.store, ref.unit)
     if record is None:
         raise StoreError(f"{ref.store.url(ref.unit)} is not committed")
@@ -156,6 +156,8 @@ def inspect(ref: SnapshotRef) -> dict[str, Any]:
         "version": ref.version,
         "epoch": state.get("epoch"),
         "step": state.get("step"),
+        "lr_schedule": state.get("lr_schedule"),
+        "best": (read_best(ref.store, ref.layout) or {}).get("version") == ref.version,
         "config_hash": state.get("config_hash") or experiment.get("config_hash"),
         "parent": ref.store.url(ref.layout.snapshot(parent)) if isinstance(parent, int) else None,
         "parent_version": parent,

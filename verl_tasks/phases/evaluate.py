@@ -11,6 +11,7 @@ from verl_tasks import data as data_mod
 from verl_tasks.models.engines import SamplingSpec, get_engine
 from verl_tasks.phases.common import PhaseContext, derive_seed, load_version, run_unit
 from verl_tasks.phases.prepare import eval_rows
+from verl_tasks.phases.snapshot import retain_after_evaluate
 from verl_tasks.rewards.sandbox import RewardSandbox
 from verl_tasks.store.units import CommitRecord, UnitWriter
 
@@ -60,6 +61,12 @@ def evaluate_base(ctx: PhaseContext) -> CommitRecord:
 
 
 def evaluate(ctx: PhaseContext, epoch: int) -> CommitRecord:
-    """Evaluate the policy produced by ``epoch`` (version ``epoch + 1``); the base too, once."""
+    """Evaluate the policy produced by ``epoch`` (version ``epoch + 1``); the base too, once.
+
+    With ``storage.keep_best_by`` retention runs again: this evaluation may name a new best.
+    """
     evaluate_base(ctx)
-    return evaluate_version(ctx, epoch + 1, ctx.layout.evaluate(epoch), epoch)
+    record = evaluate_version(ctx, epoch + 1, ctx.layout.evaluate(epoch), epoch)
+    if ctx.config.storage.keep_best_by:
+        retain_after_evaluate(ctx)
+    return record

@@ -1,8 +1,13 @@
 """Publish the updated policy as snapshot ``epoch + 1``, move ``latest.json``, apply retention.
 
 A snapshot folder is HF-loadable (config, safetensors weights, tokenizer) and
-carries ``optimizer.safetensors`` and ``trainer_state.json`` (step, seeds,
-metrics, config hash) so training resumes from it exactly.
+carries ``optimizer.safetensors`` and ``trainer_state.json`` (step, learning-rate
+schedule state, seeds, metrics, config hash) so training resumes from it exactly.
+
+Retention keeps the base, the newest ``storage.keep_snapshots`` versions and, with
+``storage.keep_best_by``, the best evaluated version (``best.json``). Evaluate runs
+after the snapshot, so a version whose evaluation is still pending is never pruned
+while it could become the best; ``evaluate`` applies retention again once it commits.
 """
 from __future__ import annotations
 
@@ -10,8 +15,17 @@ import json
 import logging
 from typing import Any
 
-from verl_tasks.phases.common import PhaseContext, derive_seed, require, run_unit
-from verl_tasks.store.conventions import KEEP_WHEN_PRUNED, WEIGHTS, WRITTEN_BY_SNAPSHOT, write_latest
+from verl_tasks.algos import lr_at, schedule_of
+from verl_tasks.events import record_event
+from verl_tasks.phases.common import PhaseContext, committed, derive_seed, require, run_unit
+from verl_tasks.store.conventions import (
+    KEEP_WHEN_PRUNED,
+    WEIGHTS,
+    WRITTEN_BY_SNAPSHOT,
+    latest_version,
+    write_best,
+    write_latest,
+)
 from verl_tasks.store.units import PRUNED, CommitRecord, UnitWriter, is_committed, is_pruned, read_json, read_marker
 
 log = logging.getLogger(__name__)
@@ -33,16 +47,56 @@ def prune(ctx: PhaseContext, unit: str, reason: str) -> bool:
     return True
 
 
+def evaluations(ctx: PhaseContext, newest: int) -> tuple[dict[int, float], set[int]]:
+    """``storage.keep_best_by`` of each evaluated version up to ``newest``, and the versions still awaiting one."""
+    metric = ctx.config.storage.keep_best_by
+    values: dict[int, float] = {}
+    pending: set[int] = set()
+    for version in range(1, newest + 1):
+        record = committed(ctx, ctx.layout.evaluate(version - 1))
+        if record is not None and metric in record.meta.get("metrics", {}):
+            values[version] = float(record.meta["metrics"][metric])
+        elif record is None and ctx.config.should_evaluate(version - 1):
+            pending.add(version)
+    return values, pending
+
+
+def keep_best(ctx: PhaseContext, newest: int) -> set[int]:
+    """Versions retention must keep for ``storage.keep_best_by``: the best evaluated one (``best.json``
+    points at it) and every pending one that could still beat it. Ties go to the older version."""
+    metric = ctx.config.storage.keep_best_by
+    if metric is None:
+        return set()
+    values, pending = evaluations(ctx, newest)
+    if not values:
+        return pending
+    best = max(values, key=lambda v: (values[v], -v))
+    record = committed(ctx, ctx.layout.snapshot(best))
+    if record is not None and not is_pruned(ctx.store, record.unit) and write_best(
+            ctx.store, ctx.layout, best, metric, values[best], record):
+        record_event(ctx.store, ctx.layout, "best_snapshot", version=best, metric=metric, value=values[best])
+    return pending | {best}
+
+
 def apply_retention(ctx: PhaseContext, newest: int) -> list[int]:
-    """Keep the base and the newest ``storage.keep_snapshots`` versions; prune older ones."""
+    """Keep the base, the newest ``storage.keep_snapshots`` versions and ``keep_best``'s; prune older ones."""
     keep = ctx.config.storage.keep_snapshots
+    protected = keep_best(ctx, newest)
     pruned = []
     for version in range(1, newest - keep + 1):
+        if version in protected:
+            continue
         unit = ctx.layout.snapshot(version)
         if is_committed(ctx.store, unit) and prune(ctx, unit, f"retention: keep {keep} snapshots"):
             prune(ctx, ctx.layout.update(version - 1), "retention: weights published and pruned")
             pruned.append(version)
     return pruned
+
+
+def retain_after_evaluate(ctx: PhaseContext) -> list[int]:
+    """Retention once an evaluation is known: the best may have changed, a pending version may go."""
+    newest = latest_version(ctx.store, ctx.layout)
+    return apply_retention(ctx, newest) if newest else []
 
 
 def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
@@ -63,6 +117,10 @@ def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
                 "epoch": epoch,
                 "step": state["step"],
                 "optimizer": state["optimizer"],
+                # The rate is a pure function of the global step (algos.lr_at): nothing else to restore.
+                "lr_schedule": {**schedule_of(cfg.algorithm), "step": state["step"],
+                                "lr": state.get("lr_schedule", {}).get("lrs", [None])[-1],
+                                "next_lr": lr_at(state["step"], **schedule_of(cfg.algorithm))},
                 "config_hash": cfg.config_hash(),
                 "parent_version": epoch,
                 # All randomness is derived from (seed, epoch, phase, batch): this is the RNG state.

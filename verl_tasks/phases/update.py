@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
-from verl_tasks.algos import grpo_outcome_advantage
+from verl_tasks.algos import grpo_outcome_advantage, lr_at, schedule_of
 from verl_tasks.models.checkpoint import OPTIMIZER, load_optimizer, save_optimizer, save_policy
+from verl_tasks.store.conventions import TRAINER_STATE
 from verl_tasks.phases.common import PhaseContext, keep_policy, load_version, policy_folder, require, run_unit
 from verl_tasks.phases.update_parallel import train_parallel
 from verl_tasks.phases.update_steps import UpdateInputs, response_logprobs, train_single
+from verl_tasks.phases.validate import epoch_batches
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,9 @@ def collate(samples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tenso
 
 
 def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
-    """The epoch's samples joined with their scores, in (batch, sample) order."""
+    """The epoch's samples joined with their scores, in (batch, sample) order; skipped batches left out."""
     out = []
-    for b in range(ctx.config.rollout.batches_per_epoch):
+    for b in epoch_batches(ctx, epoch):
         samples = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, b), "rollout"), "samples.jsonl")
         scores = {r["sample_id"]: r["score"] for r in read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")}
         for s in samples:
@@ -92,7 +94,7 @@ def prepare_inputs(
 
 def _train_here(
     ctx: PhaseContext, epoch: int, model: torch.nn.Module, tokenizer: Any, optimizer_path: Path | None,
-    inputs: UpdateInputs, seed: int, out: Path,
+    inputs: UpdateInputs, seed: int, out: Path, first_step: int,
 ) -> tuple[dict[str, float], int, dict[str, Any]]:
     """One process: train, then write ``out/policy/`` and ``out/optimizer.safetensors``."""
     algo = ctx.config.algorithm
@@ -100,7 +102,8 @@ def _train_here(
     if optimizer_path is not None:
         load_optimizer(optimizer, model, optimizer_path)
     on_step = lambda step: ctx.hook("update_step", epoch=epoch, step=step)  # noqa: E731
-    totals, steps = train_single(model, optimizer, inputs, algo, ctx.config.rollout.temperature, seed, on_step)
+    totals, steps = train_single(model, optimizer, inputs, algo, ctx.config.rollout.temperature, seed, on_step,
+                                 first_step)
     model.eval()
     save_policy(model, tokenizer, out / "policy")
     return totals, steps, save_optimizer(optimizer, model, out / OPTIMIZER)
@@ -108,12 +111,12 @@ def _train_here(
 
 def _train_workers(
     ctx: PhaseContext, epoch: int, policy_dir: Path, optimizer_path: Path | None, inputs: UpdateInputs, seed: int,
-    out: Path,
+    out: Path, first_step: int,
 ) -> tuple[dict[str, float], int, dict[str, Any]]:
     """Data-parallel workers (``update_parallel``); the step hook runs here once they are done."""
     result = train_parallel(
         unit=ctx.layout.update(epoch), config=ctx.config, inputs=inputs, policy_dir=policy_dir,
-        optimizer_path=optimizer_path, seed=seed, out=out,
+        optimizer_path=optimizer_path, seed=seed, out=out, first_step=first_step,
     )
     for step in range(1, result.steps + 1):
         ctx.hook("update_step", epoch=epoch, step=step)
@@ -141,6 +144,7 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         model, tokenizer, folder = load_version(ctx, planned["policy_version"], owned=workers == 1)
         record = policy_folder(ctx, planned["policy_version"])[1]
         optimizer_path = folder / OPTIMIZER if OPTIMIZER in record.files else None
+        first_step = read_json(ctx.store, record, TRAINER_STATE).get("step", 0) if TRAINER_STATE in record.files else 0
         ref_model = load_version(ctx, 0)[0] if algo.kl_type.value != "none" else None
         single_step = algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples)
         inputs = prepare_inputs(samples, model, ref_model, tokenizer.pad_token_id, cfg.rollout.temperature,
@@ -149,17 +153,20 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
             out = Path(tmp)
             if workers > 1:
                 log.info("update of epoch %d on %d data-parallel workers", epoch, workers)
-                totals, steps, hyper = _train_workers(ctx, epoch, folder, optimizer_path, inputs, planned["update_seed"], out)
+                totals, steps, hyper = _train_workers(ctx, epoch, folder, optimizer_path, inputs, planned["update_seed"],
+                                                      out, first_step)
             else:
-                totals, steps, hyper = _train_here(ctx, epoch, model, tokenizer, optimizer_path, inputs, planned["update_seed"], out)
+                totals, steps, hyper = _train_here(ctx, epoch, model, tokenizer, optimizer_path, inputs,
+                                                   planned["update_seed"], out, first_step)
                 trained.update(model=model, tokenizer=tokenizer, folder=folder)
             for path in sorted(p for p in (out / "policy").iterdir() if p.is_file()):
                 writer.write_file(path.name, path)
             writer.write_file(OPTIMIZER, out / OPTIMIZER)
-        metrics = _epoch_metrics(totals, steps, samples, inputs.data["response_mask"])
+        lrs = [lr_at(step, **schedule_of(algo)) for step in range(first_step, first_step + steps)]
+        metrics = {**_epoch_metrics(totals, steps, samples, inputs.data["response_mask"]), "actor/lr": lrs[-1]}
         writer.write_json("metrics.json", metrics)
-        prior_steps = read_json(ctx.store, record, "trainer_state.json").get("step", 0) if "trainer_state.json" in record.files else 0
-        writer.write_json("trainer_state.json", {"step": prior_steps + steps, "optimizer": hyper})
+        writer.write_json(TRAINER_STATE, {"step": first_step + steps, "optimizer": hyper,
+                                          "lr_schedule": {**schedule_of(algo), "first_step": first_step, "lrs": lrs}})
         # Not pinned (a run may resume on another worker count); results agree within float
         # tolerance across counts and are byte-identical for one count, so the count is recorded.
         return {"metrics": metrics, "policy_version": planned["policy_version"] + 1, "update_workers": workers}

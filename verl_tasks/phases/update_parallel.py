@@ -36,7 +36,7 @@ import torch
 from verl_tasks.config import AlgorithmConfig, ExperimentConfig
 from verl_tasks.errors import PhaseFailed
 from verl_tasks.models.checkpoint import OPTIMIZER, load_optimizer, load_policy, save_optimizer, save_policy
-from verl_tasks.phases.update_steps import UpdateInputs, accumulate, minibatch_loss, minibatch_rows
+from verl_tasks.phases.update_steps import UpdateInputs, accumulate, minibatch_loss, minibatch_rows, set_lr
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class WorkerPlan:
     threads: int
     world_size: int
     collective_timeout_s: float
+    first_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,14 @@ class ParallelResult:
 
 def train_parallel(
     *, unit: str, config: ExperimentConfig, inputs: UpdateInputs, policy_dir: Path, optimizer_path: Path | None,
-    seed: int, out: Path,
+    seed: int, out: Path, first_step: int = 0,
 ) -> ParallelResult:
     """Run the optimisation on ``config.resources.update.workers`` processes.
 
     Args:
         unit: the update unit (for error messages).
         inputs: the prepared batch; ``policy_dir``/``optimizer_path``: the version to train.
+        first_step: the global optimizer step the version was trained to (sets the learning rates).
         out: an empty folder; receives ``policy/``, ``optimizer.safetensors`` and ``result.json``.
 
     Returns:
@@ -101,7 +103,7 @@ def train_parallel(
         inputs_path=str(out / "inputs.safetensors"), out_dir=str(out), rendezvous=f"file://{out / 'rendezvous'}",
         algorithm=config.algorithm.model_dump(mode="json"), temperature=config.rollout.temperature, seed=seed,
         dtype=config.model.dtype, threads=max(1, config.torch_threads // workers), world_size=workers,
-        collective_timeout_s=min(COLLECTIVE_TIMEOUT_S, timeout_s),
+        collective_timeout_s=min(COLLECTIVE_TIMEOUT_S, timeout_s), first_step=first_step,
     )
     (out / "plan.json").write_text(json.dumps(asdict(plan)))
     procs = [_start_worker(out, rank) for rank in range(workers)]
@@ -214,7 +216,8 @@ def _run_worker(plan: WorkerPlan, rank: int) -> None:
     if plan.optimizer_path:
         load_optimizer(optimizer, model, Path(plan.optimizer_path))
     inputs = UpdateInputs.load(Path(plan.inputs_path))
-    totals, steps = train_shard(model, optimizer, inputs, algo, plan.temperature, plan.seed, rank, plan.world_size)
+    totals, steps = train_shard(model, optimizer, inputs, algo, plan.temperature, plan.seed, rank, plan.world_size,
+                                plan.first_step)
     if rank == 0:
         out = Path(plan.out_dir)
         model.eval()
@@ -225,9 +228,9 @@ def _run_worker(plan: WorkerPlan, rank: int) -> None:
 
 def train_shard(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: UpdateInputs, algo: AlgorithmConfig,
-    temperature: float, seed: int, rank: int, world_size: int,
+    temperature: float, seed: int, rank: int, world_size: int, first_step: int = 0,
 ) -> tuple[dict[str, float], int]:
-    """This worker's part of the optimisation. Returns (global metric sums over steps, steps)."""
+    """This worker's part of the optimisation from global step ``first_step``. Returns (global metric sums, steps)."""
     import torch.distributed as dist
 
     model.train()
@@ -240,6 +243,7 @@ def train_shard(
         (loss * loss_w).backward()
         all_reduce_gradients(model, dist)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.grad_clip)
+        set_lr(optimizer, algo, first_step + steps)
         optimizer.step()
         metrics["actor/loss"] = loss.item()
         weighted = {k: v * (token_w if k in TOKEN_MEAN_METRICS else loss_w) for k, v in metrics.items()}

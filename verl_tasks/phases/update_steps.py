@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from verl_tasks.algos import aggregate_loss, entropy_from_logits, kl_penalty, policy_loss_vanilla
+from verl_tasks.algos import aggregate_loss, entropy_from_logits, kl_penalty, lr_at, policy_loss_vanilla, schedule_of
 from verl_tasks.config import AlgorithmConfig
 
 DATA_KEYS = ("input_ids", "attention_mask", "positions", "response_ids", "response_mask")
@@ -112,6 +112,14 @@ def accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:
         totals[key] = totals.get(key, 0.0) + value
 
 
+def set_lr(optimizer: torch.optim.Optimizer, algo: AlgorithmConfig, step: int) -> float:
+    """Set every param group's rate for global optimizer step ``step`` (``algos.lr_at``); returns it."""
+    lr = lr_at(step, **schedule_of(algo))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def train_single(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -120,8 +128,9 @@ def train_single(
     temperature: float,
     seed: int,
     on_step: Callable[[int], None],
+    first_step: int = 0,
 ) -> tuple[dict[str, float], int]:
-    """The one-process optimisation. Returns (metric sums over steps, optimizer steps)."""
+    """The one-process optimisation from global step ``first_step``. Returns (metric sums over steps, steps)."""
     model.train()
     totals: dict[str, float] = {}
     steps = 0
@@ -130,6 +139,7 @@ def train_single(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.grad_clip)
+        set_lr(optimizer, algo, first_step + steps)
         optimizer.step()
         metrics["actor/loss"] = loss.item()
         metrics["actor/grad_norm"] = float(grad_norm)

@@ -2,16 +2,55 @@
 
 A failing suite fails the task with a summary naming expectations and batches;
 no validate marker is written, so the update never sees that data.
+
+With ``fault_tolerance.min_committed_batch_fraction`` below 1, validate is where an
+epoch gives up on batches whose rollout or score failed all their retries: while
+enough batches are committed, the missing ones are committed once as the epoch's
+``skipped`` unit, and validate and update read the other batches only, on every rerun.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from verl_tasks.errors import ValidationFailed
+from verl_tasks.errors import PhaseFailed, ValidationFailed
 from verl_tasks.events import record_event
-from verl_tasks.phases.common import PhaseContext, require, run_unit
+from verl_tasks.phases.common import PhaseContext, committed, require, run_unit
 from verl_tasks.quality.suites import Limits, summarize, validate_epoch
+from verl_tasks.store.conventions import read_skipped, write_skipped
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_jsonl
+
+
+def epoch_batches(ctx: PhaseContext, epoch: int) -> list[int]:
+    """The batches validate and update read: all of the epoch's, less those recorded as skipped."""
+    skipped = set(read_skipped(ctx.store, ctx.layout, epoch))
+    return [b for b in range(ctx.config.rollout.batches_per_epoch) if b not in skipped]
+
+
+def settle_batches(ctx: PhaseContext, epoch: int) -> list[int]:
+    """The epoch's batches to read; records the missing ones as skipped when the config allows it.
+
+    Raises:
+        PhaseFailed: batches are missing and ``min_committed_batch_fraction`` does not allow going on.
+    """
+    batches = epoch_batches(ctx, epoch)
+    missing = [b for b in batches if committed(ctx, ctx.layout.score(epoch, b)) is None
+               or committed(ctx, ctx.layout.rollout(epoch, b)) is None]
+    if not missing:
+        return batches
+    total = ctx.config.rollout.batches_per_epoch
+    ft = ctx.config.fault_tolerance
+    if not ft.may_skip(total - len(batches) + len(missing), total):
+        raise PhaseFailed(
+            ctx.layout.validate(epoch),
+            f"batches {missing} of epoch {epoch} are not committed (rollout or score); run or clear their tasks"
+            + (f", or lower fault_tolerance.min_committed_batch_fraction ({ft.min_committed_batch_fraction}) "
+               f"to go on without them" if total > 1 else ""),
+        )
+    skipped = sorted(set(range(total)) - set(batches) | set(missing))
+    skipped = write_skipped(ctx.store, ctx.layout, epoch, skipped, total, ft.min_committed_batch_fraction)
+    record_event(ctx.store, ctx.layout, "batches_skipped", unit=ctx.layout.skipped(epoch), epoch=epoch,
+                 batches=skipped, min_committed_batch_fraction=ft.min_committed_batch_fraction)
+    return [b for b in range(total) if b not in skipped]
 
 
 def scored_rows(ctx: PhaseContext, epoch: int, batch: int) -> list[dict[str, Any]]:
@@ -35,13 +74,13 @@ def validate(ctx: PhaseContext, epoch: int) -> CommitRecord:
     unit = ctx.layout.validate(epoch)
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
-        rows = {b: scored_rows(ctx, epoch, b) for b in range(cfg.rollout.batches_per_epoch)}
+        rows = {b: scored_rows(ctx, epoch, b) for b in settle_batches(ctx, epoch)}
         if not cfg.quality.enabled:
             writer.write_json("report.json", {"success": True, "skipped": "quality.enabled is false"})
             return {"success": True, "rows": sum(len(r) for r in rows.values())}
         limits = Limits(
             rows_per_batch=cfg.rollout.prompts_per_batch * cfg.algorithm.group_size,
-            rows_per_epoch=cfg.samples_per_epoch,
+            rows_per_epoch=len(rows) * cfg.rollout.prompts_per_batch * cfg.algorithm.group_size,
             max_prompt_tokens=cfg.data.max_prompt_tokens,
             max_response_tokens=cfg.rollout.max_new_tokens,
             min_score=cfg.rewards.min_score,

@@ -2,8 +2,9 @@
 
 What the phases, the runner, the ops commands, lineage and the Airflow
 operators agree on: the snapshot file names and which of them each copy takes,
-the ``latest.json`` pointer (which only moves forward), retention's ``_PRUNED``
-flag (a pruned snapshot is unavailable, not corrupt) and quarantine records.
+the ``latest.json`` pointer (which only moves forward), the ``best.json`` pointer
+of ``storage.keep_best_by``, retention's ``_PRUNED`` flag (a pruned snapshot is
+unavailable, not corrupt), an epoch's skipped batches and quarantine records.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 from verl_tasks.errors import SnapshotPruned
 from verl_tasks.layout import Layout
 from verl_tasks.store.base import NotFound, ObjectStore
-from verl_tasks.store.units import MARKER, PRUNED, QUARANTINE, CommitRecord, stamp_time
+from verl_tasks.errors import IntegrityError
+from verl_tasks.store.units import MARKER, PRUNED, QUARANTINE, CommitRecord, UnitWriter, read_marker, stamp_time
 
 WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
@@ -58,6 +60,49 @@ def write_latest(store: ObjectStore, layout: Layout, version: int, record: Commi
             "weights_sha256": record.files[WEIGHTS].sha256, "uri": store.url(record.unit)}
     store.put(layout.latest, json.dumps(body, indent=1, sort_keys=True).encode())
     return True
+
+
+def read_best(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
+    """The ``best.json`` pointer (``version``, ``metric``, ``value``, ``uri``, ``weights_sha256``), or None."""
+    try:
+        body = json.loads(store.get(layout.best))
+        int(body["version"])
+        return body
+    except (NotFound, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_best(store: ObjectStore, layout: Layout, version: int, metric: str, value: float,
+               record: CommitRecord) -> bool:
+    """Point ``best.json`` at snapshot ``version``, the best by ``metric``; False when it already says so."""
+    body = {"version": version, "metric": metric, "value": value, "unit": record.unit,
+            "weights_sha256": record.files[WEIGHTS].sha256, "uri": store.url(record.unit)}
+    if read_best(store, layout) == body:
+        return False
+    store.put(layout.best, json.dumps(body, indent=1, sort_keys=True).encode())
+    return True
+
+
+def read_skipped(store: ObjectStore, layout: Layout, epoch: int) -> list[int]:
+    """The batches epoch ``epoch`` went on without (its committed ``skipped`` unit), else []."""
+    try:
+        record = read_marker(store, layout.skipped(epoch))
+    except IntegrityError:
+        return []  # a damaged marker is read as absent, like any unit's
+    return sorted(int(b) for b in record.meta.get("skipped", [])) if record else []
+
+
+def write_skipped(store: ObjectStore, layout: Layout, epoch: int, skipped: list[int], batches: int,
+                  fraction: float, attempt: str | None = None) -> list[int]:
+    """Commit epoch ``epoch``'s skipped batches once; returns the committed set (an earlier winner's if any).
+
+    Written once, so a rerun of the epoch's validate and update reads the same batches.
+    """
+    body = {"epoch": epoch, "skipped": sorted(skipped), "batches": batches, "min_committed_batch_fraction": fraction}
+    writer = UnitWriter(store, layout.skipped(epoch), attempt)
+    writer.write_json("skipped.json", body)
+    record, _ = writer.commit(body)
+    return sorted(int(b) for b in record.meta["skipped"])
 
 
 def snapshot_versions(store: ObjectStore, layout: Layout) -> list[int]:
