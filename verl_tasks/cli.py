@@ -200,6 +200,30 @@ def status(
         out.print(curve_markdown(result), markup=False, highlight=False)
 
 
+@app.command()
+def metrics(
+    config: Path = typer.Argument(..., help="experiment YAML"),
+    store: Optional[str] = typer.Option(None),
+    experiment: Optional[str] = typer.Option(None),
+    out_file: Optional[Path] = typer.Option(
+        None, "--out", help="write here atomically (for a node exporter's textfile collector: a .prom file)"),
+) -> None:
+    """The experiment's Prometheus metrics (text format), computed from the store."""
+    _setup_logging(False)
+    from verl_tasks.metrics import render_metrics, write_metrics
+    from verl_tasks.store import store_for
+
+    try:
+        cfg = _load(config, store, experiment)
+        if out_file is None:
+            out.file.write(render_metrics([(cfg, store_for(cfg))]))
+            return
+        write_metrics(out_file, [(cfg, store_for(cfg))])
+    except (VerlTasksError, OSError) as err:
+        _fail(err)
+    console.print(f"metrics of {cfg.experiment} written to {out_file}")
+
+
 # --- operations after a fault: checkpoint, rollback, gc, resume -------------------------------------
 
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Verify, inspect and export snapshots.")
