@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 from verl_tasks.events import read_events
@@ -75,3 +78,33 @@ def test_a_failing_tracker_does_not_fail_training(tiny_config, tmp_path):
     assert {(e["tracker"], e["phase"]) for e in failed} == {(t, p) for t in ("mlflow", "tensorboard")
                                                              for p in ("update", "evaluate")}
     assert not [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "tracked"]
+
+
+def test_concurrent_workers_share_one_mlflow_run(tiny_config, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from verl_tasks.tracking import _mlflow_client, _mlflow_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    ctx = make_context(tiny_config(f"file://{tmp_path}/store", **{"tracking.mlflow": uri}))
+    client, barrier, found = _mlflow_client(uri), threading.Barrier(2), []
+
+    def worker() -> None:
+        barrier.wait()
+        found.append(_mlflow_run(ctx, client, uri))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(found) == 2 and found[0] == found[1]
+    experiment = MlflowClient(uri).get_experiment_by_name(ctx.config.experiment)
+    assert [r.info.run_id for r in MlflowClient(uri).search_runs([experiment.experiment_id])] == [found[0]]
+
+
+def test_tracking_imports_neither_torch_nor_a_tracker():
+    probe = ("import sys, verl_tasks.tracking; "
+             "print(sorted(m for m in ('torch', 'mlflow', 'tensorboard') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
