@@ -212,3 +212,19 @@ def test_rollback_prints_a_run_command_for_this_experiment(tmp_path, monkeypatch
     printed = " ".join(result.output.split()).split("`")[1]
     assert shlex.split(printed) == ["verl-tasks", "run", str(_config(tmp_path)), "--experiment", cfg.experiment,
                                     "--store", cfg.storage.uri]
+
+
+def test_a_skippable_batch_failing_for_good_does_not_halt(tmp_path):
+    # tiny_arith has 4 batches: with min_committed_batch_fraction 0.75 one may fail for good, not two
+    raw = yaml.safe_load(TINY_YAML.read_text())
+    raw["storage"] = {"uri": f"file://{tmp_path}/store"}
+    raw.setdefault("fault_tolerance", {})["min_committed_batch_fraction"] = 0.75
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(raw))
+    callbacks.on_failure(_context(tmp_path, "score", 2, RuntimeError("reward server down"), try_number=4))
+    cfg, store, layout = _store_layout(_context(tmp_path, "score", 2))
+    assert read_safe_mode(store, layout) is None
+    callbacks.on_failure(_context(tmp_path, "score", 2, RuntimeError("reward server down"), try_number=4))
+    assert read_safe_mode(store, layout) is None, "the same batch failing again is still one batch"
+    callbacks.on_failure(_context(tmp_path, "rollout", 1, RuntimeError("node lost"), try_number=4))
+    halted = read_safe_mode(store, layout)
+    assert halted is not None and "rollout/b0001 failed after all its retries" in halted["summary"]
