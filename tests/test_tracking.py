@@ -52,6 +52,7 @@ def test_one_value_per_metric_per_epoch_after_a_cleared_update_reruns(tiny_confi
     assert run.data.params["algorithm.lr"] == str(ctx.config.algorithm.lr)
     assert run.data.params["seed"] == str(ctx.config.seed)
     assert run.data.tags["verl_tasks.config_hash"] == ctx.config.config_hash()
+    assert run.info.status == "FINISHED", "the last epoch's evaluation ends the run"
     for epoch in range(3):
         assert run.data.tags[f"snapshot/epoch_{epoch:05d}"] == ctx.store.url(ctx.layout.snapshot(epoch + 1))
     recorded = json.loads(ctx.store.get(ctx.store.list(f"{ctx.layout.root}/tracking/")[0]))

@@ -57,7 +57,7 @@ def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: C
         if not target:
             continue
         try:
-            logged, present = write(ctx, target, epoch, metrics, tags)
+            logged, present = write(ctx, target, unit, epoch, metrics, tags)
         except Exception as err:  # noqa: BLE001 - a tracker must never fail a committed unit
             error = f"{type(err).__name__}: {err}"[:2000]
             if isinstance(err, ImportError):
@@ -70,9 +70,13 @@ def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: C
                      logged=logged, already_present=present)
 
 
-def _log_mlflow(ctx: PhaseContext, uri: str, epoch: int, metrics: dict[str, float],
+def _log_mlflow(ctx: PhaseContext, uri: str, unit: str, epoch: int, metrics: dict[str, float],
                 tags: dict[str, str]) -> tuple[int, int]:
-    """Write the values the run lacks at step ``epoch``; returns (written, already present)."""
+    """Write the values the run lacks at step ``epoch``; returns (written, already present).
+
+    The last epoch's evaluation marks the run FINISHED (MLflow still accepts values for a
+    finished run, e.g. when the experiment is resumed with more epochs).
+    """
     from mlflow.entities import Metric, RunTag
 
     client = _mlflow_client(uri)
@@ -82,6 +86,8 @@ def _log_mlflow(ctx: PhaseContext, uri: str, epoch: int, metrics: dict[str, floa
     now_ms = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(key, value, now_ms, epoch) for key, value in missing.items()],
                      tags=[RunTag(key, value) for key, value in tags.items()])
+    if unit == ctx.layout.evaluate(ctx.config.epochs - 1):
+        client.set_terminated(run_id, "FINISHED")
     return len(missing), len(metrics) - len(missing)
 
 
@@ -141,7 +147,7 @@ def _log_params(client: Any, run_id: str, config: ExperimentConfig) -> None:
         client.log_batch(run_id, params=params[start : start + MLFLOW_PARAMS_PER_CALL])
 
 
-def _log_tensorboard(ctx: PhaseContext, folder: str, epoch: int, metrics: dict[str, float],
+def _log_tensorboard(ctx: PhaseContext, folder: str, unit: str, epoch: int, metrics: dict[str, float],
                      tags: dict[str, str]) -> tuple[int, int]:
     """Scalars the folder's event files lack at step ``epoch``, in a new event file (tags: MLflow only)."""
     from tensorboard.compat.proto.event_pb2 import Event
