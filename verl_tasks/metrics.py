@@ -15,6 +15,7 @@ directly, not through ``rate()``.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,10 @@ from verl_tasks.status import READERS, epoch_units
 from verl_tasks.store.base import NotFound, ObjectStore
 from verl_tasks.store.units import MARKER, CommitRecord, read_marker, stamp_time
 
+log = logging.getLogger(__name__)
+
+# The classic text format: every Prometheus 2.x and 3.x scrapes it (the names here are plain ASCII).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_COMMITTED_EVENTS = 256
 MAX_FAULT_EVENTS = 1000
 RETRY_EVENTS = ("failed", "task_failed")
@@ -325,8 +330,27 @@ def registry_for(items: list[ExperimentMetrics]) -> CollectorRegistry:
 
 
 def render_metrics(experiments: Iterable[tuple[ExperimentConfig, ObjectStore]], now: float | None = None) -> str:
-    """Prometheus text exposition (format 0.0.4) of each (config, store) pair's experiment."""
+    """Prometheus text exposition (format 0.0.4) of each (config, store) pair's experiment.
+
+    Raises:
+        The store's errors: an experiment whose store cannot be read fails the whole call.
+    """
     items = [experiment_metrics(config, store, now) for config, store in experiments]
+    return generate_latest(registry_for(items)).decode()
+
+
+def render_reachable(experiments: Iterable[tuple[ExperimentConfig, ObjectStore]]) -> str:
+    """Like :func:`render_metrics`, but an experiment whose store fails is logged and left out.
+
+    For the plugin's route: one scrape covers many stores, and one unreachable store must not
+    blank the others (its series go absent, which an ``absent()`` alert can catch).
+    """
+    items = []
+    for config, store in experiments:
+        try:
+            items.append(experiment_metrics(config, store))
+        except Exception as err:  # noqa: BLE001 - S3, disk and parse errors alike: leave this one out
+            log.warning("no metrics for %s (%s): %s: %s", config.experiment, store.uri, type(err).__name__, err)
     return generate_latest(registry_for(items)).decode()
 
 
@@ -336,4 +360,5 @@ def write_metrics(path: Path, experiments: Iterable[tuple[ExperimentConfig, Obje
     write_to_textfile(str(path), registry_for(items))
 
 
-__all__ = ["ExperimentMetrics", "experiment_metrics", "families", "render_metrics", "write_metrics", "GAUGES"]
+__all__ = ["CONTENT_TYPE", "ExperimentMetrics", "experiment_metrics", "families", "render_metrics", "render_reachable",
+           "write_metrics", "GAUGES"]
