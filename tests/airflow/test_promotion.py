@@ -82,7 +82,10 @@ def test_a_child_that_beats_its_parent_is_promoted_and_one_that_does_not_is_not(
     runner.write_text(RUNNER)
     env = _airflow_env(tmp_path)
     _run([sys.executable, "-m", "airflow", "db", "migrate"], env)
-    runs = _runs(_run([sys.executable, str(runner), str(dag_file), kept, beaten], env))
+    done = subprocess.run([sys.executable, str(runner), str(dag_file), kept, beaten], env=env, capture_output=True,
+                          text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    runs, logs = _runs(done.stdout), done.stdout + done.stderr
 
     for stamp in (kept, beaten):
         run = runs[stamp]
@@ -97,6 +100,7 @@ def test_a_child_that_beats_its_parent_is_promoted_and_one_that_does_not_is_not(
     decision = [e for e in read_events(store, Layout(f"retrain-{kept}")) if e["kind"] == "promotion"]
     assert len(decision) == 1 and decision[0]["promoted"] is False and decision[0]["baseline"] == 1.0
     assert "does not beat arith snapshot 0 (1.0000 on the same held-out prompts)" in decision[0]["reason"]
+    assert decision[0]["reason"] in logs  # the task log says why
 
     promoted = runs[beaten]
     assert promoted["tasks"]["promote"] == "success", promoted
