@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install demo test test-quick chaos bench airflow lint clean
+.PHONY: install browser demo test test-quick chaos bench airflow lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q $(PIP_LINKS) -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# Debian's Chromium for the dashboard's browser test (Playwright drives it; no browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends chromium; }
+
+install: $(STAMP) browser
 
 demo: install
 	bash scripts/demo.sh

@@ -152,8 +152,8 @@ def test_team_viewer_sees_only_the_dags_it_may_read(api_server, user, dag_id):
     assert named.status_code == 403
 
 
-def test_render_lists_each_prefix_once_and_reads_a_bounded_number_of_events(tmp_path):
-    from verl_tasks.airflow.plugin import EVENTS_SHOWN, render_experiment
+def test_render_lists_each_prefix_once_and_reads_each_event_once(tmp_path):
+    from verl_tasks.airflow.dashboard import EVENTS_SHOWN, experiment_view
     from verl_tasks.config import parse_config
     from verl_tasks.events import record_event
     from verl_tasks.layout import Layout
@@ -165,14 +165,14 @@ def test_render_lists_each_prefix_once_and_reads_a_bounded_number_of_events(tmp_
         def __init__(self, root):
             super().__init__(root)
             self.listed: list[str] = []
-            self.read = 0
+            self.read: list[str] = []
 
         def list(self, prefix):
             self.listed.append(prefix)
             return super().list(prefix)
 
         def get(self, key):
-            self.read += 1
+            self.read.append(key)
             return super().get(key)
 
     store = CountingStore(tmp_path / "store")
@@ -180,10 +180,14 @@ def test_render_lists_each_prefix_once_and_reads_a_bounded_number_of_events(tmp_
     for i in range(EVENTS_SHOWN * 3):
         record_event(store, Layout(cfg.experiment), "tick", unit=f"u{i}")
     store.listed.clear()
-    page = render_experiment(cfg, store)
+    view = experiment_view(cfg, store)
     assert len(store.listed) == len(set(store.listed)), store.listed
-    assert page.count("<td>tick</td>") == EVENTS_SHOWN
-    assert store.read <= EVENTS_SHOWN + 4  # the events shown plus latest.json, base metrics, safe mode
+    assert [e["kind"] for e in view["events"]] == ["tick"] * EVENTS_SHOWN
+    events = [k for k in store.read if "/events/" in k]
+    assert len(events) == len(set(events)) == EVENTS_SHOWN * 3
+    store.read.clear()
+    experiment_view(cfg, store)  # events never change: a second page reads none of them again
+    assert not [k for k in store.read if "/events/" in k]
 
 
 def _tiny_raw() -> dict:

@@ -31,6 +31,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from verl_tasks.airflow import runconfig
 from verl_tasks.airflow.callbacks import lift_safe_mode_if_cleared
+from verl_tasks.airflow.links import RayJobLink, StoreUnitLink
 from verl_tasks.airflow.connections import s3_access
 from verl_tasks.errors import ConfigError, JobFailed, PhaseFailed, SafeMode
 from verl_tasks.execution import UnitSpec
@@ -128,6 +129,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
 
     ui_color = "#fdf1e1"
     template_fields = ()
+    operator_extra_links = (StoreUnitLink(), RayJobLink())
 
     def __init__(self, *, config_path: str, phase: str, epoch: int, batch: int | None = None,
                  backend: str | None = None, ray_conn_id: str | None = "ray_default",

@@ -1,18 +1,25 @@
-"""Airflow plugin: a "Training" page inside Airflow with, per experiment, the epochs, each phase's
-state, the reward / accuracy curve (inline SVG), the latest snapshot and the recent events.
+"""Airflow plugin: a "Training" page in Airflow's main navigation, per experiment the curves, the
+epoch x phase grid, the snapshots and the event log (``dashboard.py`` reads them, ``templates/`` draws them).
 
-Mounted on the api-server at ``/verl-tasks`` (``fastapi_apps``) and linked from the nav bar
-(``external_views``). Airflow does not put a plugin's app behind its auth, so every request goes through
-Airflow's own ``get_user`` (401/403 without a valid token) and lists only the experiments whose DAG the
-auth manager lets the user read: each YAML in ``dags/experiments`` is the DAG named after its stem.
-``?dag=ID`` shows one of them, ``?experiment=NAME`` another experiment name (a scheduled child, a fork)
-in that DAG's store. Data comes from ``verl_tasks.status.status`` and ``verl_tasks.events.read_events``
-(the newest ``EVENTS_SHOWN`` events): a handful of listings per experiment, one per prefix.
+Mounted on the api-server at ``/verl-tasks`` (``fastapi_apps``) and shown inside the UI as a top-level
+nav entry (``external_views``, ``nav_top_level``). Airflow does not put a plugin's app behind its auth,
+so every request goes through Airflow's own ``get_user`` (401/403 without a valid token) and shows only
+experiments of DAGs the auth manager lets the user read: each YAML in ``dags/experiments`` is the DAG
+named after its stem, and the stores of other YAMLs are never opened.
+
+Experiments are listed from the stores (each root's top-level folders holding ``experiment.json``,
+bounded), so runs triggered under a new name appear. An experiment belongs to a DAG when it is that
+YAML's experiment, a scheduled ``<experiment>-<stamp>`` of it, named in one of the DAG's runs, or sits
+in a store no other YAML uses. ``?experiment=NAME`` finds it in any readable DAG's store;
+``?dag=ID`` narrows to one DAG; ``?epoch=E&phase=P`` filters the event log. A store the api-server
+cannot reach shows one calm line instead of its error.
 """
 from __future__ import annotations
 
-import html
+import functools
+import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +27,11 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+log = logging.getLogger(__name__)
+
 PREFIX = "/verl-tasks"
-EVENTS_SHOWN = 15
+SECTIONS_SHOWN = 6  # full sections on the overview; the rest are links
+RUNS_SCANNED = 2000  # newest DAG runs whose trigger form names an experiment
 
 
 def experiments_dir() -> Path:
@@ -31,79 +41,6 @@ def experiments_dir() -> Path:
     from airflow.configuration import conf
 
     return Path(conf.get("core", "dags_folder")) / "experiments"
-
-
-def _svg_curve(rows: list[dict[str, Any]], base: float | None) -> str:
-    """Two polylines over epochs: reward_mean (orange) and eval_accuracy (blue), both in [0, 1]."""
-    width, height, pad = 560, 200, 30
-    n = max(1, len(rows))
-    series = {"reward_mean": "#e8710a", "eval_accuracy": "#1a73e8"}
-    parts = [f'<svg width="{width}" height="{height}" role="img" aria-label="reward and accuracy per epoch">',
-             f'<rect x="{pad}" y="10" width="{width - 2 * pad}" height="{height - 40}" fill="#fafafa" stroke="#ddd"/>']
-
-    def xy(i: int, v: float) -> tuple[float, float]:
-        x = pad + 12 + (width - 2 * pad - 24) * (i + 1) / n
-        y = 10 + (height - 40) * (1 - max(0.0, min(1.0, v)))
-        return x, y
-
-    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
-        y = xy(0, tick)[1]
-        parts.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
-                     f'<text x="2" y="{y + 4:.1f}" font-size="10">{tick:.2f}</text>')
-    for i in range(-1, n):
-        x = xy(i, 0)[0]
-        parts.append(f'<text x="{x - 8:.1f}" y="{height - 20}" font-size="10">{"base" if i < 0 else i}</text>')
-    for key, colour in series.items():
-        pts = [(i, r["metrics"][key]) for i, r in enumerate(rows) if key in r["metrics"]]
-        if key == "eval_accuracy" and base is not None:
-            pts = [(-1, base)] + pts
-        if pts:
-            coords = " ".join("%.1f,%.1f" % xy(i, v) for i, v in pts)
-            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{coords}"/>')
-            parts += [f'<circle cx="{xy(i, v)[0]:.1f}" cy="{xy(i, v)[1]:.1f}" r="3" fill="{colour}"><title>{key} epoch {i}: {v:.3f}</title></circle>' for i, v in pts]
-    parts.append(f'<text x="{pad}" y="{height - 8}" font-size="11">reward_mean (orange), eval_accuracy (blue); x = epoch, y in [0, 1]</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def render_experiment(cfg, store) -> str:
-    from verl_tasks.events import read_events
-    from verl_tasks.layout import Layout
-    from verl_tasks.status import status
-
-    st = status(cfg, store)
-    e = html.escape
-    from verl_tasks.phase_registry import PHASE_NAMES as phases
-
-    head = "".join(f"<th>{p}</th>" for p in phases)
-    body = []
-    for row in st["epochs"]:
-        m = row["metrics"]
-        cells = "".join(f'<td class="{e(row["phases"][p].split("/")[0] if "/" not in row["phases"][p] else "partial")}">{e(row["phases"][p])}</td>' for p in phases)
-        body.append(f"<tr><td>{row['epoch']}</td>{cells}<td>{m.get('reward_mean', float('nan')):.3f}</td>"
-                    f"<td>{m.get('eval_accuracy', float('nan')):.3f}</td></tr>")
-    base = st["base"]["metrics"].get("eval_accuracy")
-    events = read_events(store, Layout(cfg.experiment), limit=EVENTS_SHOWN)
-    ev = "".join(
-        f"<tr><td>{e(str(x.get('kind')))}</td><td>{e(str(x.get('unit', '')))}</td><td>{e(str(x.get('attempt', ''))[:26])}</td>"
-        f"<td>{e(str(x.get('duration_s', '')))}</td><td>{e(str(x.get('error', ''))[:160])}</td></tr>" for x in reversed(events)
-    )
-    latest = st["latest_snapshot"]
-    latest_html = (f"version {latest['version']} at <code>{e(latest['uri'])}</code> (sha256 {e(latest['weights_sha256'][:16])}…)"
-                   if latest else "none yet")
-    safe = f'<p class="alert">SAFE MODE: {e(str(st["safe_mode"]))}</p>' if st["safe_mode"] else ""
-    return (
-        f"<h2>{e(cfg.experiment)}</h2><p>store <code>{e(st['store'])}</code> · latest snapshot: {latest_html}"
-        f"{' · base accuracy %.3f' % base if base is not None else ''}</p>{safe}"
-        f"{_svg_curve(st['epochs'], base)}"
-        f"<table><tr><th>epoch</th>{head}<th>reward</th><th>eval acc</th></tr>{''.join(body)}</table>"
-        f"<h3>Recent events</h3><table><tr><th>kind</th><th>unit</th><th>attempt</th><th>s</th><th>error</th></tr>{ev}</table>"
-    )
-
-
-STYLE = """<style>body{font-family:system-ui,sans-serif;margin:1.5rem;color:#222}table{border-collapse:collapse;margin:.5rem 0 1rem}
-td,th{border:1px solid #ddd;padding:3px 8px;font-size:13px}td.committed{background:#e6f4ea}td.absent{color:#999}
-td.partial{background:#fef7e0}td.pruned{background:#eee}.alert{color:#b00;font-weight:bold}code{font-size:12px}</style>"""
 
 
 def experiment_yamls() -> dict[str, Path]:
@@ -118,21 +55,194 @@ def readable_dag_ids(user, dag_ids: set[str]) -> set[str]:
     return dag_ids & get_auth_manager().get_authorized_dag_ids(user=user, method="GET")
 
 
-def _section(path: Path, experiment: str | None) -> str:
-    """One experiment's block; a broken YAML or store shows its error instead of hiding the others."""
+@dataclass
+class Source:
+    """One experiment YAML (a DAG) and the store it names; ``error`` when either is unusable here."""
+
+    dag_id: str
+    path: Path
+    experiment: str = ""
+    store_uri: str = ""
+    raw: dict[str, Any] = field(default_factory=dict)
+    store: Any = None
+    error: str | None = None
+
+    def config(self, experiment: str):
+        from verl_tasks.config import parse_config
+
+        return parse_config(self.raw, {"storage.uri": self.store_uri, "experiment": experiment})
+
+
+def open_source(dag_id: str, path: Path) -> Source:
+    """Read the YAML and open its store with the YAML's ``storage.aws_conn_id`` (as the tasks do)."""
     from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
     from verl_tasks.config import parse_config
-    from verl_tasks.store import store_for
+    from verl_tasks.store import open_store
+
+    source = Source(dag_id, path)
+    try:
+        source.raw = read_yaml(path)
+        source.store_uri = _absolute_store((source.raw.get("storage") or {}).get("uri", "file://.store"))
+        cfg = parse_config(source.raw, {"storage.uri": source.store_uri})
+        source.experiment = cfg.experiment
+        s = cfg.storage
+        access = _s3_access(s.aws_conn_id) if s.uri.startswith("s3://") else None
+        source.store = open_store(
+            s.uri, endpoint_url=s.endpoint_url or (access and access.endpoint_url),
+            region=s.region or (access and access.region), sse=s.sse, sse_kms_key_id=s.sse_kms_key_id,
+            credentials=access and access.credentials)
+    except Exception as err:  # noqa: BLE001 - one broken YAML must not hide the others
+        source.error = f"{path.name}: {type(err).__name__}: {err}"
+    return source
+
+
+def _s3_access(conn_id: str | None):
+    from verl_tasks.airflow.connections import S3Access, s3_access
 
     try:
-        raw = read_yaml(path)
-        overrides = {"storage.uri": _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))}
-        if experiment:
-            overrides["experiment"] = experiment
-        cfg = parse_config(raw, overrides)
-        return f"<p class=src>from <code>{html.escape(path.name)}</code></p>" + render_experiment(cfg, store_for(cfg))
+        return s3_access(conn_id)
+    except Exception as err:  # noqa: BLE001 - no connection backend here: the default chain
+        log.info("AWS connection %r unavailable to the dashboard (%s); using the default chain", conn_id, err)
+        return S3Access()
+
+
+def unreachable(source: Source, err: Exception) -> str:
+    """One calm line for a store the api-server cannot read (no credentials here, endpoint down)."""
+    first = str(err).splitlines()[0][:200] if str(err) else ""
+    return (f"{source.dag_id}: store {source.store_uri} is not readable from the Airflow api-server "
+            f"({type(err).__name__}{': ' + first if first else ''}); the page shows it once the api-server has "
+            f"access (storage.aws_conn_id or the AWS environment)")
+
+
+def run_experiments(dag_ids: set[str]) -> dict[str, str]:
+    """Experiment name -> DAG id, from the trigger forms of the newest runs of ``dag_ids``."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    if not dag_ids:
+        return {}
+    query = (select(DagRun.dag_id, DagRun.conf).where(DagRun.dag_id.in_(sorted(dag_ids)))
+             .order_by(DagRun.id.desc()).limit(RUNS_SCANNED))
+    named: dict[str, str] = {}
+    with create_session() as session:
+        for dag_id, conf in session.execute(query):
+            name = (conf or {}).get("experiment") if isinstance(conf, dict) else None
+            if isinstance(name, str):
+                named.setdefault(name, dag_id)
+    return named
+
+
+def owner(name: str, source: Source, sources: list[Source], named: dict[str, str]) -> bool:
+    """Whether experiment ``name`` found in ``source``'s store belongs to ``source``'s DAG."""
+    if name == source.experiment or named.get(name) == source.dag_id:
+        return True
+    stamp = name[len(source.experiment) + 1:] if name.startswith(source.experiment + "-") else ""
+    if len(stamp) == 15 and stamp[8] == "T" and stamp.replace("T", "").isdigit():
+        return True
+    claimed = {s.experiment for s in sources} | set(named)
+    sharing = [s for s in sources if s.store_uri == source.store_uri]
+    return name not in claimed and len(sharing) == 1
+
+
+def _list_store(source: Source) -> list[str]:
+    from verl_tasks.airflow.dashboard import store_experiments
+
+    return store_experiments(source.store)
+
+
+def find_experiments(readable: list[Source], everyone: list[Source], named: dict[str, str]
+                     ) -> tuple[list[tuple[Source, str]], list[str]]:
+    """(source, experiment) pairs the readable DAGs own, and a notice per store that could not be listed."""
+    found, notices, listed = [], [], {}
+    for source in readable:
+        if source.error:
+            notices.append(source.error)
+            continue
+        if source.store_uri not in listed:
+            try:
+                listed[source.store_uri] = _list_store(source)
+            except Exception as err:  # noqa: BLE001 - an unreachable store is one line, not a traceback
+                listed[source.store_uri] = None
+                notices.append(unreachable(source, err))
+        names = listed[source.store_uri]
+        if names is None:
+            continue
+        if source.experiment not in names:  # the DAG's own experiment shows before its first run
+            names = [source.experiment, *names]
+        found += [(source, name) for name in names if owner(name, source, everyone, named)]
+    return found, notices
+
+
+@functools.lru_cache(maxsize=1)
+def _templates():
+    """The page templates (package data), compiled once per process."""
+    from jinja2 import Environment, PackageLoader, select_autoescape
+
+    return Environment(loader=PackageLoader("verl_tasks.airflow", "templates"), autoescape=select_autoescape())
+
+
+def render_section(source: Source, experiment: str, epoch: int | None = None, phase: str | None = None
+                   ) -> dict[str, Any] | str:
+    """One experiment's view for the template, or a one-line notice when its store cannot be read."""
+    from verl_tasks.airflow.dashboard import experiment_view
+
+    try:
+        view = experiment_view(source.config(experiment), source.store, epoch=epoch, phase=phase)
     except Exception as err:  # noqa: BLE001 - one broken experiment must not hide the others
-        return f"<p class=alert>{html.escape(path.name)}: {html.escape(type(err).__name__ + ': ' + str(err))}</p>"
+        if _is_access_error(err):
+            return unreachable(source, err)
+        return f"{source.dag_id} / {experiment}: {type(err).__name__}: {err}"
+    return {"dag": source.dag_id, "yaml": source.path.name, "view": view}
+
+
+def _is_access_error(err: Exception) -> bool:
+    from botocore.exceptions import BotoCoreError
+
+    from verl_tasks.errors import StoreError
+
+    return isinstance(err, (StoreError, BotoCoreError, PermissionError))
+
+
+def render_page(readable: list[Source], everyone: list[Source], named: dict[str, str], *,
+                experiment: str | None = None, dag: str | None = None, epoch: int | None = None,
+                phase: str | None = None) -> str:
+    """The whole page for the DAGs a user may read."""
+    found, notices = find_experiments(readable, everyone, named)
+    listed = [{"name": name, "dag": source.dag_id} for source, name in found]
+    if experiment:
+        chosen = [(s, n) for s, n in found if n == experiment]
+        empty = f"No experiment {experiment!r} in the store of a DAG you may read."
+    else:
+        defaults = [(s, n) for s, n in found if n == s.experiment]
+        chosen = (defaults + [p for p in found if p not in defaults])[:SECTIONS_SHOWN]
+        empty = "No experiment yet in the store of a DAG you may read." if readable else \
+            "No experiment DAG you may read."
+    sections = []
+    for source, name in chosen:
+        section = render_section(source, name, epoch, phase)
+        (sections if isinstance(section, dict) else notices).append(section)
+    return _templates().get_template("dashboard.html").render(
+        listed=listed, sections=sections, notices=notices, empty=empty,
+        query={"experiment": experiment, "dag": dag})
+
+
+def render_unit(source: Source, experiment: str, key: str) -> str:
+    """The page of one unit in storage: its committed record, files and events (the task's extra link)."""
+    from datetime import datetime, timezone
+
+    from verl_tasks.airflow.dashboard import recent_events
+    from verl_tasks.layout import Layout
+    from verl_tasks.store.units import is_pruned, read_marker
+
+    record = read_marker(source.store, key)
+    events = [e for e in recent_events(source.store, Layout(experiment)) if e.get("unit") == key]
+    committed_at = (datetime.fromtimestamp(record.committed_at, timezone.utc).isoformat(timespec="seconds")
+                    if record and record.committed_at else None)
+    return _templates().get_template("unit.html").render(
+        unit=key, experiment=experiment, dag=source.dag_id, url=source.store.url(key), record=record,
+        committed_at=committed_at, pruned=is_pruned(source.store, key), events=list(reversed(events)),
+        back=f"{PREFIX}/?experiment={experiment}&dag={source.dag_id}")
 
 
 async def airflow_user(request: Request,
@@ -144,6 +254,45 @@ async def airflow_user(request: Request,
     return await get_user(request, _oauth_token=None, bearer_credentials=credentials)
 
 
+def _readable_sources(user, dag: str | None) -> tuple[list[Source], list[Source], dict[str, str]]:
+    """(sources the user may read, all sources, experiment names of the readable DAGs' runs)."""
+    from fastapi import HTTPException
+
+    yamls = experiment_yamls()
+    readable = readable_dag_ids(user, set(yamls))
+    if dag is not None and dag not in readable:
+        raise HTTPException(403, f"no experiment DAG {dag!r} you may read")
+    shown = [dag] if dag else sorted(readable)
+    everyone = [open_source(dag_id, path) if dag_id in readable else _unopened(dag_id, path)
+                for dag_id, path in yamls.items()]
+    by_id = {s.dag_id: s for s in everyone}
+    return [by_id[d] for d in shown], everyone, run_experiments(readable)
+
+
+def _unopened(dag_id: str, path: Path) -> Source:
+    """A YAML the user may not read: only its experiment name and store URI (to attribute names); no store."""
+    from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
+
+    source = Source(dag_id, path)
+    try:
+        raw = read_yaml(path)
+        source.experiment = str(raw.get("experiment", ""))
+        source.store_uri = _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))
+    except Exception as err:  # noqa: BLE001 - unreadable YAML: it claims nothing
+        source.error = str(err)
+    return source
+
+
+def metrics_response(found: list[tuple[Source, str]], experiment: str | None):
+    """The ``/metrics`` reply: ``verl_tasks.metrics`` text of each (source, experiment) found, or only ``experiment``."""
+    from fastapi.responses import Response
+
+    from verl_tasks.metrics import CONTENT_TYPE, render_reachable
+
+    pairs = [(source.config(name), source.store) for source, name in found if experiment in (None, name)]
+    return Response(render_reachable(pairs), media_type=CONTENT_TYPE)
+
+
 def create_app():
     """The dashboard app; every request is authenticated (a plugin's mount is not behind Airflow's auth)."""
     from fastapi import FastAPI, HTTPException, Query
@@ -152,21 +301,34 @@ def create_app():
     app = FastAPI(title="verl-tasks dashboard")
 
     @app.get("/", response_class=HTMLResponse)
-    def dashboard(user=Depends(airflow_user), experiment: str | None = Query(None), dag: str | None = Query(None)) -> str:
-        yamls = experiment_yamls()
-        readable = readable_dag_ids(user, set(yamls))
-        if dag is not None and dag not in readable:
-            raise HTTPException(403, f"no experiment DAG {dag!r} you may read")
-        shown = [dag] if dag else sorted(readable)
-        if experiment:  # another experiment name (a scheduled child, a fork) in the store of one readable DAG
-            shown = shown[:1]
-        sections = [_section(yamls[dag_id], experiment) for dag_id in shown]
-        if not sections:
-            sections = ["<p>No experiment DAG you may read.</p>"]
-        form = ('<form method="get"><label>experiment <input name="experiment" value="%s"></label> '
-                '<label>DAG <input name="dag" value="%s"></label> <button>show</button></form>'
-                % (html.escape(experiment or ""), html.escape(dag or "")))
-        return f"<!doctype html><html><head><title>verl-tasks</title>{STYLE}</head><body><h1>verl-tasks training</h1>{form}{''.join(sections)}</body></html>"
+    def dashboard(user=Depends(airflow_user), experiment: str | None = Query(None), dag: str | None = Query(None),
+                  epoch: str | None = Query(None), phase: str | None = Query(None)) -> str:
+        readable, everyone, named = _readable_sources(user, dag or None)
+        return render_page(readable, everyone, named, experiment=experiment or None, dag=dag,
+                           epoch=_epoch(epoch), phase=phase or None)
+
+    @app.get("/unit", response_class=HTMLResponse)
+    def unit(user=Depends(airflow_user), dag: str = Query(...), experiment: str = Query(...),
+             key: str = Query(...)) -> str:
+        readable, everyone, named = _readable_sources(user, dag)
+        found, _ = find_experiments(readable, everyone, named)
+        source = next((s for s, name in found if name == experiment), None)
+        if source is None or not key.startswith(experiment + "/"):
+            raise HTTPException(404, f"no unit {key!r} of experiment {experiment!r} in DAG {dag!r}")
+        return render_unit(source, experiment, key)
+
+    @app.get("/metrics")
+    def metrics(user=Depends(airflow_user), dag: str | None = Query(None), experiment: str | None = Query(None)):
+        """Prometheus text of the experiments the user may read (``?dag=ID``, ``?experiment=NAME`` narrow it)."""
+        readable, everyone, named = _readable_sources(user, dag or None)
+        return metrics_response(find_experiments(readable, everyone, named)[0], experiment or None)
+
+    def _epoch(value: str | None) -> int | None:
+        if not value:
+            return None
+        if not value.isdigit():
+            raise HTTPException(400, f"epoch={value!r}: use a whole number")
+        return int(value)
 
     return app
 
@@ -174,8 +336,9 @@ def create_app():
 class VerlTasksPlugin(AirflowPlugin):
     name = "verl_tasks"
 
-    # Creating the app is cheap; the store, torch and status code load on the first request.
+    # Creating the app is cheap; the store and status code load on the first request.
     fastapi_apps = [{"app": create_app(), "url_prefix": PREFIX, "name": "verl-tasks dashboard"}]
 
-    external_views = [{"name": "Training", "href": PREFIX + "/", "destination": "nav", "category": "browse",
+    # A top-level entry of the main navigation (not under Browse); opens the page inside the UI.
+    external_views = [{"name": "Training", "href": PREFIX + "/", "destination": "nav", "nav_top_level": True,
                        "url_route": "verl-tasks"}]

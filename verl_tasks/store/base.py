@@ -62,6 +62,10 @@ class ObjectStore(abc.ABC):
         """Every key under ``prefix`` (recursive), sorted."""
 
     @abc.abstractmethod
+    def folders(self, limit: int) -> list[str]:
+        """The first ``limit`` top-level folder names at the store's root, sorted: a bounded look at what it holds."""
+
+    @abc.abstractmethod
     def list_modified(self, prefix: str) -> dict[str, float]:
         """Every key under ``prefix`` -> its last write (epoch seconds); how ``gc`` tells a live attempt from a dead one."""
 

@@ -119,7 +119,23 @@ class LocalStore(ObjectStore):
         return path.relative_to(self.root).as_posix()
 
     def list(self, prefix: str) -> list[str]:
-        return sorted(self._key_of(p) for p in self._walk(prefix, temp=False))
+        base = self.root / prefix if prefix else self.root
+        if prefix:
+            check_key(prefix.rstrip("/") or ".")
+        if base.is_file():
+            return [self._key_of(base)]
+        # Plain strings, not Path objects: status and the dashboard list tens of thousands of keys.
+        start = len(str(self.root)) + 1
+        return sorted(os.path.join(folder, name)[start:] for folder, _dirs, files in os.walk(base)
+                      for name in files if not name.startswith(".tmp-"))
+
+    def folders(self, limit: int) -> list[str]:
+        try:
+            names = sorted(entry.name for entry in os.scandir(self.root)
+                           if entry.is_dir() and not entry.name.startswith("."))
+        except FileNotFoundError:
+            return []
+        return names[:limit]
 
     def _mtimes(self, paths: list[Path]) -> dict[str, float]:
         out = {}

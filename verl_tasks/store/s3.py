@@ -182,6 +182,17 @@ class S3Store(ObjectStore):
         return sorted(keys)
 
     @_explained
+    def folders(self, limit: int) -> list[str]:
+        root = self.prefix + "/" if self.prefix else ""
+        paginator = self.client.get_paginator("list_objects_v2")
+        names: list[str] = []
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=root, Delimiter="/",
+                                   PaginationConfig={"MaxItems": limit, "PageSize": min(limit, 1000)})
+        for page in pages:
+            names.extend(item["Prefix"][len(root):].rstrip("/") for item in page.get("CommonPrefixes", []))
+        return sorted(names)[:limit]
+
+    @_explained
     def list_modified(self, prefix: str) -> dict[str, float]:
         full = self._key(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         paginator = self.client.get_paginator("list_objects_v2")

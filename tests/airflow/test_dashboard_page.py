@@ -1,0 +1,184 @@
+"""The Training page's content without a server: listing and search over real stores, the grid, the
+curves, snapshots, the event filter, calm notices for unreachable stores, and the task links.
+
+The stores are real (LocalStore on disk, S3 through the moto server) and filled the way a finished
+run leaves them (``benchmarks/dashboard_render.fabricate``); the page is rendered by the plugin's own
+functions, the ones its FastAPI routes call after Airflow's auth.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from benchmarks.dashboard_render import fabricate
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "dags" / "experiments" / "tiny_arith.yaml"
+
+
+def _yaml(folder: Path, dag_id: str, experiment: str, store_uri: str, batches: int = 2, **storage) -> Path:
+    raw = yaml.safe_load(TINY.read_text())
+    raw.update(experiment=experiment, epochs=3)
+    raw.setdefault("rollout", {})["batches_per_epoch"] = batches
+    raw["storage"] = {"uri": store_uri, **storage}
+    path = folder / "experiments" / f"{dag_id}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _sources(*pairs):
+    from verl_tasks.airflow.plugin import open_source
+
+    return [open_source(dag_id, path) for dag_id, path in pairs]
+
+
+def _shown(page: str) -> list[str]:
+    import re
+
+    return re.findall(r"<h2>([^<]+)</h2>", page)
+
+
+@pytest.fixture
+def two_dags(tmp_path):
+    """DAG a (store one: its experiment and one triggered under a new name), DAG b (store two)."""
+    fabricate(tmp_path / "one", "exp-a", 3, 2)
+    fabricate(tmp_path / "one", "renamed-run", 2, 2)
+    fabricate(tmp_path / "two", "exp-b", 2, 2)
+    a = _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 'one'}")
+    b = _yaml(tmp_path, "dag_b", "exp-b", f"file://{tmp_path / 'two'}")
+    return _sources(("dag_a", a), ("dag_b", b))
+
+
+def test_experiments_are_listed_from_the_stores_including_new_names(two_dags):
+    from verl_tasks.airflow.plugin import render_page
+
+    page = render_page(two_dags, two_dags, {})
+    assert sorted(_shown(page)) == ["exp-a", "exp-b", "renamed-run"]
+    assert 'href="?experiment=renamed-run&amp;dag=dag_a"' in page
+
+
+@pytest.mark.parametrize("name,dag", [("exp-b", "dag_b"), ("renamed-run", "dag_a"), ("exp-a", "dag_a")])
+def test_search_finds_an_experiment_of_any_dag(two_dags, name, dag):
+    from verl_tasks.airflow.plugin import render_page
+
+    page = render_page(two_dags, two_dags, {}, experiment=name)
+    assert _shown(page) == [name]
+    assert f"DAG <code>{dag}</code>" in page
+
+
+def test_search_for_a_missing_name_says_so(two_dags):
+    from verl_tasks.airflow.plugin import render_page
+
+    page = render_page(two_dags, two_dags, {}, experiment="nope")
+    assert _shown(page) == [] and "No experiment &#39;nope&#39; in the store of a DAG you may read." in page
+
+
+def test_a_shared_store_shows_a_new_name_only_to_the_dag_whose_run_named_it(tmp_path):
+    from verl_tasks.airflow.plugin import render_page
+
+    store = f"file://{tmp_path / 'shared'}"
+    for name in ("exp-a", "exp-b", "from-a-run", "nobodys"):
+        fabricate(tmp_path / "shared", name, 1, 2)
+    a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)), ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
+    named = {"from-a-run": "dag_a"}
+    assert sorted(_shown(render_page([a], [a, b], named))) == ["exp-a", "from-a-run"]
+    assert _shown(render_page([b], [a, b], named)) == ["exp-b"]
+    assert _shown(render_page([b], [a, b], named, experiment="from-a-run")) == []
+
+
+def test_an_s3_store_without_credentials_is_one_calm_line(tmp_path, monkeypatch, moto_endpoint, two_dags):
+    from verl_tasks.airflow.plugin import render_page
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    gpu = _sources(("gpu", _yaml(tmp_path, "gpu", "gpu-exp", "s3://bucket/runs", endpoint_url=moto_endpoint)))
+    page = render_page(two_dags + gpu, two_dags + gpu, {})
+    notices = [line for line in page.splitlines() if 'class="notice"' in line and "s3://bucket/runs" in line]
+    assert len(notices) == 1, page[:3000]
+    assert "is not readable from the Airflow api-server (StoreError" in notices[0]
+    assert 'class="alert"' not in page and "Traceback" not in page
+    assert sorted(_shown(page)) == ["exp-a", "exp-b", "renamed-run"]  # the other experiments still show
+
+
+def test_grid_chart_snapshots_and_event_filter(tmp_path):
+    from verl_tasks.airflow.plugin import render_page
+    from verl_tasks.layout import Layout
+    from verl_tasks.store.units import MARKER
+
+    fabricate(tmp_path / "s", "exp-a", 3, 2)
+    (tmp_path / "s" / Layout("exp-a").rollout(2, 1) / MARKER).unlink()  # batch 1 of epoch 2: its marker gone
+    sources = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")))
+    page = render_page(sources, sources, {})
+    assert page.count("<svg") == 1 and "reward (mean)" in page and "grad norm" in page
+    assert 'title="exp-a/epochs/00002/rollout/b0001: absent, 1 attempt(s), 0.50 s"' in page
+    assert 'title="exp-a/epochs/00002/rollout/b0000: committed, 1 attempt(s), 0.50 s"' in page
+    assert "<td>3</td><td class=\"committed\">committed</td>" in page.replace("\n", "")  # snapshot 3
+    filtered = render_page(sources, sources, {}, epoch=1, phase="rollout")
+    rows = [line for line in filtered.split("<tr>") if "<td>started</td>" in line or "<td>committed</td>" in line]
+    assert len(rows) == 4 and all("<td>1</td><td>rollout</td>" in row for row in rows), rows
+
+
+def test_the_page_imports_no_torch(tmp_path):
+    fabricate(tmp_path / "s", "exp-a", 1, 2)
+    path = _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")
+    code = ("import sys\nfrom verl_tasks.airflow.plugin import open_source, render_page\n"
+            f"s = [open_source('dag_a', __import__('pathlib').Path({str(path)!r}))]\n"
+            "assert '<h2>exp-a</h2>' in render_page(s, s, {})\nprint('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_unit_page_shows_the_committed_record(tmp_path):
+    from verl_tasks.airflow.plugin import render_unit
+    from verl_tasks.layout import Layout
+
+    fabricate(tmp_path / "s", "exp-a", 1, 2)
+    source, = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")))
+    key = Layout("exp-a").update(0)
+    page = render_unit(source, "exp-a", key)
+    assert f"<h1>{key}</h1>" in page and "model.safetensors" in page and "2.1 MB" in page
+    assert page.count("<td>committed</td>") == 1 and "reward_mean" in page
+
+
+def test_task_links_point_at_the_unit_page_and_the_ray_job(tmp_path, monkeypatch):
+    from verl_tasks.airflow.links import RayJobLink, StoreUnitLink
+
+    monkeypatch.setenv("VERL_TASKS_RAY_ADDRESS", "http://127.0.0.1:8265")
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "http://airflow.example:8080/prefix")
+    path = _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")
+    operator = SimpleNamespace(config_path=str(path), phase="rollout", epoch=2, batch=1, backend="ray",
+                               ray_conn_id=None, _job_id="vt-exp-a-e2-rollout-b1-a1")
+    ti = SimpleNamespace(dag_id="dag_a", task_id="rollout_e2", map_index=1)
+    assert StoreUnitLink().get_link(operator, ti_key=ti) == (
+        "/prefix/verl-tasks/unit?dag=dag_a&experiment=exp-a&key=exp-a%2Fepochs%2F00002%2Frollout%2Fb0001")
+    assert RayJobLink().get_link(operator, ti_key=ti) == "http://127.0.0.1:8265/#/jobs/vt-exp-a-e2-rollout-b1-a1"
+    operator.backend = "inline"
+    assert RayJobLink().get_link(operator, ti_key=ti) == ""
+
+
+def test_phase_tasks_carry_both_links():
+    from verl_tasks.airflow.operators import VerlPhaseOperator
+
+    assert [link.name for link in VerlPhaseOperator.operator_extra_links] == ["Unit in storage", "Ray job"]
+
+
+def test_store_folders_are_bounded_and_experiments_need_experiment_json(store):
+    from verl_tasks.airflow.dashboard import store_experiments
+
+    for name in ("b-exp", "a-exp", "c-exp"):
+        store.put(f"{name}/experiment.json", b"{}")
+    store.put("not-an-experiment/readme.txt", b"x")
+    store.put("top-level-file.txt", b"x")
+    assert store.folders(10) == ["a-exp", "b-exp", "c-exp", "not-an-experiment"]
+    assert store.folders(2) == ["a-exp", "b-exp"]
+    assert store_experiments(store) == ["a-exp", "b-exp", "c-exp"]

@@ -1,0 +1,288 @@
+"""What the Training page shows, read from the store: no Airflow, no torch, no HTML here.
+
+:func:`experiment_view` gathers one experiment's status (per epoch and phase, per batch for
+the mapped phases), the attempts and durations of each unit from the event log, the
+snapshots with their size and verification state, the curves of the training metrics and
+the event log filtered by epoch and phase. :func:`store_experiments` lists the experiments
+a store holds (bounded). The templates in ``templates/`` turn the view into HTML.
+
+Events are immutable files, so each one is parsed once per process (:data:`_EVENT_CACHE`)
+and a page reads at most :data:`MAX_EVENTS_READ` of them, the newest.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_tasks.config import ExperimentConfig, check_name
+from verl_tasks.errors import ConfigError
+from verl_tasks.layout import Layout
+from verl_tasks.phase_registry import BATCHED, PHASE_NAMES, PHASES
+from verl_tasks.store.base import NotFound, ObjectStore
+from verl_tasks.store.units import MARKER
+
+log = logging.getLogger(__name__)
+
+EVENTS_SHOWN = 50
+MAX_EVENTS_READ = 20_000
+MAX_EXPERIMENTS_LISTED = 200
+# (status key, chart title): the curves drawn, one panel each.
+CURVES = (
+    ("reward_mean", "reward (mean)"),
+    ("eval_accuracy", "eval accuracy"),
+    ("actor/ppo_kl", "KL"),
+    ("actor/pg_clipfrac", "clip fraction"),
+    ("actor/entropy", "entropy"),
+    ("actor/grad_norm", "grad norm"),
+)
+UNIT_EVENTS = ("started", "failed", "committed", "lost_race", "skipped")
+# Events that prove a snapshot's files matched their manifest when they were recorded.
+VERIFYING_EVENTS = ("policy_loaded",)
+
+SVGS_KEPT = 32
+_SVG_CACHE: OrderedDict[str, str] = OrderedDict()
+_EVENT_CACHE: OrderedDict[tuple[str, str], dict[str, Any] | None] = OrderedDict()
+
+
+@dataclass
+class UnitCell:
+    """One unit in the epoch x phase grid."""
+
+    state: str = "absent"
+    attempts: int = 0
+    failures: int = 0
+    duration_s: float | None = None
+    key: str = ""
+
+    @property
+    def shown(self) -> tuple[str, str, str]:
+        """(CSS classes, tooltip, text) as the grid draws the cell: plain values, cheap to render in bulk."""
+        css = self.state + (" retried" if self.attempts > 1 else "") + (
+            " failed" if self.failures and self.state != "committed" else "")
+        text = self.state + (f" ×{self.attempts}" if self.attempts > 1 else "") + (
+            f" {self.duration_s:.1f}s" if self.duration_s is not None else "")
+        return css, self.title, text
+
+    @property
+    def title(self) -> str:
+        parts = [f"{self.key}: {self.state}", f"{self.attempts} attempt(s)"]
+        if self.failures:
+            parts.append(f"{self.failures} failed")
+        if self.duration_s is not None:
+            parts.append(f"{self.duration_s:.2f} s")
+        return ", ".join(parts)
+
+
+@dataclass
+class EpochRow:
+    epoch: int
+    phases: dict[str, str]
+    metrics: dict[str, float]
+    cells: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)  # UnitCell.shown per unit
+
+
+def _event(store: ObjectStore, key: str) -> dict[str, Any] | None:
+    """One parsed event, from the cache when this process read it before (events never change)."""
+    cache_key = (store.uri, key)
+    if cache_key in _EVENT_CACHE:
+        return _EVENT_CACHE[cache_key]
+    try:
+        body = json.loads(store.get(key))
+    except (NotFound, ValueError):
+        body = None  # one unreadable event should not hide the rest
+    _EVENT_CACHE[cache_key] = body
+    while len(_EVENT_CACHE) > 2 * MAX_EVENTS_READ:
+        _EVENT_CACHE.popitem(last=False)
+    return body
+
+
+def recent_events(store: ObjectStore, layout: Layout) -> list[dict[str, Any]]:
+    """The newest :data:`MAX_EVENTS_READ` events in time order (one listing)."""
+    keys = store.list(layout.events + "/")[-MAX_EVENTS_READ:]
+    return [e for e in (_event(store, k) for k in keys) if isinstance(e, dict)]
+
+
+def _unit_stats(events: list[dict[str, Any]]) -> dict[str, UnitCell]:
+    """Per unit key: attempts started, failures, and the duration of the attempt that committed."""
+    cells: dict[str, UnitCell] = {}
+    seen: dict[str, set[str]] = {}
+    for event in events:
+        unit = event.get("unit")
+        if event.get("kind") not in UNIT_EVENTS or not isinstance(unit, str):
+            continue
+        cell = cells.setdefault(unit, UnitCell(key=unit))
+        if event["kind"] == "started":
+            seen.setdefault(unit, set()).add(str(event.get("attempt")))
+            cell.attempts = len(seen[unit])
+        elif event["kind"] == "failed":
+            cell.failures += 1
+        elif event["kind"] == "committed":
+            cell.duration_s = _number(event.get("duration_s"))
+    return cells
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _batch_states(store: ObjectStore, layout: Layout, epoch: int, phase: str, batches: int) -> list[str]:
+    """Each batch's state of a partly committed mapped phase (one listing of that phase's folder)."""
+    unit_of = {b: PHASES[phase].unit(layout, epoch, b) for b in range(batches)}
+    keys = set(store.list(f"{layout.epoch(epoch)}/{phase}/"))
+    return ["committed" if f"{unit_of[b]}/{MARKER}" in keys else "absent" for b in range(batches)]
+
+
+def _grid(cfg: ExperimentConfig, store: ObjectStore, rows: list[dict[str, Any]],
+          stats: dict[str, UnitCell]) -> list[EpochRow]:
+    layout = Layout(cfg.experiment)
+    batches = cfg.rollout.batches_per_epoch
+    out = []
+    for row in rows:
+        epoch_row = EpochRow(row["epoch"], row["phases"], row["metrics"])
+        for phase in PHASE_NAMES:
+            state = row["phases"][phase]
+            if phase in BATCHED:
+                states = (_batch_states(store, layout, row["epoch"], phase, batches) if "/" in state
+                          else [state] * batches)
+                units = [PHASES[phase].unit(layout, row["epoch"], b) for b in range(batches)]
+            else:
+                states, units = [state], [PHASES[phase].unit(layout, row["epoch"])]
+            epoch_row.cells[phase] = [_cell(unit, s, stats.get(unit)).shown for unit, s in zip(units, states)]
+        out.append(epoch_row)
+    return out
+
+
+def _cell(unit: str, state: str, seen: UnitCell | None) -> UnitCell:
+    if seen is None:
+        return UnitCell(state=state, key=unit)
+    return UnitCell(state, seen.attempts, seen.failures, seen.duration_s, unit)
+
+
+def _snapshots(layout: Layout, rows: list[dict[str, Any]], events: list[dict[str, Any]],
+               quarantined: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each snapshot version the grid knows: state, size (from its commit event) and verification."""
+    sizes = {e.get("unit"): e.get("bytes") for e in events if e.get("kind") == "committed"}
+    verified = {e.get("version"): e for e in events if e.get("kind") in VERIFYING_EVENTS}
+    bad = {q["unit"]: q for q in quarantined if not q["recovered"]}
+    out = []
+    for row in rows:
+        version = row["epoch"] + 1
+        unit = layout.snapshot(version)
+        state = row["phases"]["snapshot"]
+        if unit in bad:
+            check = f"failed verification: {bad[unit]['reason']}"
+        elif state == "pruned":
+            check = "weights pruned by retention"
+        elif version in verified:
+            check = f"hashes verified when loaded ({verified[version].get('how', 'load')})"
+        elif state == "committed":
+            check = "committed; not loaded since"
+        else:
+            continue
+        out.append({"version": version, "unit": unit, "state": state, "bytes": sizes.get(unit),
+                    "verification": check, "ok": unit not in bad})
+    return out
+
+
+def chart_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Long-form (epoch, metric, value) rows of the curves, for the chart."""
+    titles = dict(CURVES)
+    return [{"epoch": row["epoch"], "metric": titles[key], "value": float(row["metrics"][key])}
+            for row in rows for key, _ in CURVES if isinstance(row["metrics"].get(key), (int, float))]
+
+
+def curves_svg(rows: list[dict[str, Any]]) -> str:
+    """The curves as one SVG (Vega-Lite through altair, rendered here by vl-convert: no JS, no CDN).
+
+    The same data gives the same picture, so the newest few are kept (a page reloaded between two
+    commits does not draw again)."""
+    data = chart_rows(rows)
+    if not data:
+        return ""
+    body = json.dumps(data, sort_keys=True)
+    key = hashlib.sha256(body.encode()).hexdigest()
+    if key not in _SVG_CACHE:
+        import vl_convert
+
+        spec = dict(_curves_spec(points=len(rows) <= 40), datasets={"curves": data})
+        _SVG_CACHE[key] = vl_convert.vegalite_to_svg(spec)
+        while len(_SVG_CACHE) > SVGS_KEPT:
+            _SVG_CACHE.popitem(last=False)
+    return _SVG_CACHE[key]
+
+
+@functools.lru_cache(maxsize=2)
+def _curves_spec(points: bool) -> dict[str, Any]:
+    """The chart without its data (a named dataset): one small panel per curve, each with its own scale."""
+    import altair as alt
+
+    titles = [title for _, title in CURVES]
+    chart = (
+        alt.Chart(alt.NamedData(name="curves"))
+        .mark_line(point=points)
+        .encode(x=alt.X("epoch:Q", title="epoch", axis=alt.Axis(tickMinStep=1)),
+                y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
+                tooltip=["metric:N", "epoch:Q", alt.Tooltip("value:Q", format=".4f")])
+        .properties(width=230, height=130)
+        .facet(facet=alt.Facet("metric:N", sort=titles, title=None), columns=3)
+        .resolve_scale(y="independent")
+    )
+    return chart.to_dict()
+
+
+def filter_events(events: list[dict[str, Any]], epoch: int | None, phase: str | None,
+                  limit: int = EVENTS_SHOWN) -> list[dict[str, Any]]:
+    """The newest ``limit`` events of ``epoch`` and ``phase`` (either may be None: any), newest first."""
+    picked = [e for e in reversed(events)
+              if (epoch is None or e.get("epoch") == epoch) and (phase is None or e.get("phase") == phase)]
+    return picked[:limit]
+
+
+def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | None = None,
+                    phase: str | None = None) -> dict[str, Any]:
+    """Everything one experiment's section shows (see the module docstring)."""
+    from verl_tasks.status import status
+
+    if phase is not None and phase not in PHASES:
+        raise ConfigError(f"unknown phase {phase!r}; use one of {', '.join(PHASE_NAMES)}")
+    layout = Layout(cfg.experiment)
+    st = status(cfg, store)
+    events = recent_events(store, layout)
+    stats = _unit_stats(events)
+    return {
+        "status": st,
+        "grid": _grid(cfg, store, st["epochs"], stats),
+        "phases": PHASE_NAMES,
+        "batched": BATCHED,
+        "snapshots": _snapshots(layout, st["epochs"], events, st["quarantined"]),
+        "chart": curves_svg(st["epochs"]),
+        "events": filter_events(events, epoch, phase),
+        "events_total": len(events),
+        "filter": {"epoch": epoch, "phase": phase},
+        "epochs": [row["epoch"] for row in st["epochs"]],
+    }
+
+
+def store_experiments(store: ObjectStore, limit: int = MAX_EXPERIMENTS_LISTED) -> list[str]:
+    """The experiments in ``store``: its first ``limit`` top-level folders that hold ``experiment.json``."""
+    names = []
+    for name in store.folders(limit):
+        try:
+            check_name(name)
+        except ConfigError:
+            continue
+        if store.exists(Layout(name).experiment_json):
+            names.append(name)
+    return names
+
+
+__all__ = ["experiment_view", "store_experiments", "curves_svg", "chart_rows", "filter_events",
+           "recent_events", "EVENTS_SHOWN", "MAX_EVENTS_READ", "MAX_EXPERIMENTS_LISTED", "CURVES"]
