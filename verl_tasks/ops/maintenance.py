@@ -89,8 +89,8 @@ def newest_versions(store: ObjectStore, layout: Layout, count: int) -> list[int]
     return out
 
 
-def care_for(store: ObjectStore, experiment: str, *, verify_newest: int, forward: bool, older_than_s: float,
-             dry_run: bool = False) -> ExperimentCare:
+def care_for(store: ObjectStore, experiment: str, *, verify_newest: int, forward: bool,
+             older_than_s: float) -> ExperimentCare:
     """Verify and collect one experiment; problems are collected, never raised."""
     from verl_tasks.ops.checkpoint import SnapshotRef, verify
 
@@ -104,7 +104,7 @@ def care_for(store: ObjectStore, experiment: str, *, verify_newest: int, forward
     try:
         pin = read_pin(store, layout) or {}
         timeouts = ((pin.get("config") or {}).get("fault_tolerance") or {}).get("timeout_s") or {}
-        care.gc = collect(store, layout, older_than_s, dry_run=dry_run, timeouts=timeouts)
+        care.gc = collect(store, layout, older_than_s, timeouts=timeouts)
     except (VerlTasksError, OSError) as err:
         care.problems.append(f"gc not run: {type(err).__name__}: {err}")
     record_event(store, layout, "maintenance", verified=care.verified, problems=care.problems,
@@ -112,12 +112,12 @@ def care_for(store: ObjectStore, experiment: str, *, verify_newest: int, forward
     return care
 
 
-def maintain_store(store: ObjectStore, *, verify_newest: int = 1, forward: bool = True, older_than_s: float = 86400.0,
-                   dry_run: bool = False) -> StoreCare:
+def maintain_store(store: ObjectStore, *, verify_newest: int = 1, forward: bool = True,
+                   older_than_s: float = 86400.0) -> StoreCare:
     """Care for every experiment of ``store`` (see the module docstring); never raises for one experiment's problem."""
     care = StoreCare(store.uri)
     for experiment in list_experiments(store):
         care.experiments.append(care_for(store, experiment, verify_newest=verify_newest, forward=forward,
-                                         older_than_s=older_than_s, dry_run=dry_run))
+                                         older_than_s=older_than_s))
     log.info("maintenance of %s: %d experiment(s), %d problem(s)", care.uri, len(care.experiments), len(care.problems))
     return care
