@@ -219,3 +219,25 @@ def test_alert_rules_and_dashboard_use_only_exposed_metrics(many_epochs):
     assert dashboard["title"] and targets
     used = set().union(*(metric_names_in(e) for e in exprs + targets))
     assert used and used <= samples, sorted(used - samples)
+
+
+def test_batches_the_epoch_went_on_without_are_skipped_not_pending(tmp_path):
+    from verl_tasks.config import load_config
+    from verl_tasks.store.conventions import write_skipped
+
+    cfg = load_config(write_yaml(tmp_path, {"epochs": 1, "rollout.batches_per_epoch": 4,
+                                            "storage.uri": f"file://{tmp_path}/store"}))
+    store, layout = store_for(cfg), Layout(cfg.experiment)
+    for unit in [layout.plan(0)] + [layout.unit(p, 0, b) for p in ("rollout", "score") for b in (0, 2, 3)]:
+        writer = UnitWriter(store, unit)
+        writer.write_bytes("data.json", b"{}")
+        writer.commit({})
+    write_skipped(store, layout, 0, [1], 4, 0.75)
+    m = metrics_of(cfg)
+    units = m["verl_tasks_units"]
+    for phase in ("rollout", "score"):
+        assert units[(("phase", phase), ("state", "committed"))] == 3
+        assert units[(("phase", phase), ("state", "skipped"))] == 1
+        assert units[(("phase", phase), ("state", "pending"))] == 0
+    assert units[(("phase", "validate"), ("state", "pending"))] == 1
+    assert m["verl_tasks_pending_ratio"][()] == pytest.approx(4 / 13)  # validate, update, snapshot, evaluate

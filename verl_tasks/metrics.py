@@ -32,9 +32,10 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError
 from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import read_safe_mode
-from verl_tasks.phase_registry import PHASES
+from verl_tasks.phase_registry import BATCHED, PHASES
 from verl_tasks.status import READERS, epoch_units
 from verl_tasks.store.base import NotFound, ObjectStore
+from verl_tasks.store.conventions import read_skipped
 from verl_tasks.store.units import MARKER, CommitRecord, read_marker, stamp_time
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,12 @@ RETRY_EVENTS = ("failed", "task_failed")
 FAULT_EVENTS = RETRY_EVENTS + ("fallback", "quarantined")
 DURATION_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 COMMIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-UNIT_STATES = ("committed", "failed", "pending")
+UNIT_STATES = ("committed", "failed", "pending", "skipped")
 
 # Gauges that are one number per experiment: name -> help. Absent values are left out, not zero.
 GAUGES = {
     "current_epoch": "The epoch in progress (the oldest one not finished; the last one once all are).",
-    "pending_ratio": "Share of the current epoch's units not committed yet (0 when the epoch is done).",
+    "pending_ratio": "Share of the current epoch's units still to commit (failed or pending; skipped batches not).",
     "safe_mode": "1 while the experiment is halted in safe mode (control/safe_mode.json exists), else 0.",
     "snapshot_version": "Version of the newest committed snapshot (0: the base policy).",
     "seconds_since_snapshot": "Seconds since the newest committed snapshot was committed.",
@@ -151,24 +152,37 @@ def current_epoch(config: ExperimentConfig, store: ObjectStore, layout: Layout, 
     return min(newest, config.epochs - 1)
 
 
+def _skipped_units(store: ObjectStore, layout: Layout, epoch: int, keys: set[str]) -> set[str]:
+    """The batched units of the batches ``epoch`` went on without (``fault_tolerance.min_committed_batch_fraction``)."""
+    if f"{layout.skipped(epoch)}/{MARKER}" not in keys:
+        return set()
+    return {PHASES[phase].unit(layout, epoch, batch) for phase in BATCHED for batch in read_skipped(store, layout, epoch)}
+
+
 def _units(config: ExperimentConfig, store: ObjectStore, layout: Layout, epoch: int, snapshot_keys: set[str],
            failed_units: set[str], out: ExperimentMetrics) -> None:
-    """Committed / failed / pending units per phase of ``epoch``, and the pending ratio."""
+    """Units per phase and state of ``epoch``, and the pending ratio (failed or pending units over all)."""
     keys = set(store.list(layout.epoch(epoch) + "/")) | snapshot_keys
+    skipped = _skipped_units(store, layout, epoch, keys)
+
+    def state(unit: str) -> str:
+        if f"{unit}/{MARKER}" in keys:
+            return "committed"
+        if unit in skipped:
+            return "skipped"
+        return "failed" if unit in failed_units else "pending"
+
     phases = epoch_units(config, layout, epoch)
     if not config.should_evaluate(epoch):
         phases.pop("evaluate")
-    total = pending = 0
+    counts: Counter = Counter()
     for phase, units in phases.items():
-        done = [u for u in units if f"{u}/{MARKER}" in keys]
-        failed = [u for u in units if u not in done and u in failed_units]
-        out.units[(phase, "committed")] = len(done)
-        out.units[(phase, "failed")] = len(failed)
-        out.units[(phase, "pending")] = len(units) - len(done) - len(failed)
-        total += len(units)
-        pending += len(units) - len(done)
+        states = Counter(state(unit) for unit in units)
+        counts.update(states)
+        out.units.update({(phase, name): states[name] for name in UNIT_STATES})
+    total = sum(counts.values())
     out.gauges["current_epoch"] = epoch
-    out.gauges["pending_ratio"] = pending / total if total else 0.0
+    out.gauges["pending_ratio"] = (counts["failed"] + counts["pending"]) / total if total else 0.0
 
 
 def _events(store: ObjectStore, layout: Layout, now: float, out: ExperimentMetrics) -> list[dict[str, Any]]:
@@ -280,8 +294,8 @@ def families(items: list[ExperimentMetrics]) -> Iterator[Any]:
             if name in item.gauges:
                 gauge.add_metric([item.experiment], item.gauges[name])
         yield gauge
-    units = GaugeMetricFamily("verl_tasks_units", "Units of the current epoch per phase and state "
-                              "(failed: not committed and at least one try failed).",
+    units = GaugeMetricFamily("verl_tasks_units", "Units of the current epoch per phase and state (failed: not "
+                              "committed and a try failed; skipped: a batch the epoch went on without).",
                               labels=["experiment", "phase", "state"])
     retries = CounterMetricFamily("verl_tasks_retries", "Failed tries of units per phase (each is retried, or halts "
                                   "the experiment after the last): event=failed from the unit itself, "
