@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -172,12 +171,18 @@ print("TORCH_LOADED=%%s" %% ("torch" in sys.modules))
 
 
 def test_status_answers_in_about_a_second(many_epochs):
-    """The console script, end to end (imports included); 1 s is the target on an idle machine, 3 s the guard."""
-    started = time.monotonic()
-    run = subprocess.run([str(CLI), "status", str(many_epochs)], capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - started
+    """The console script end to end, imports included, in CPU seconds (the wall time depends on the load).
+
+    Importing torch alone costs over 2 CPU seconds here; the whole command takes about 0.4.
+    """
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = subprocess.run([str(CLI), "status", str(many_epochs)], capture_output=True, text=True, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert run.returncode == 0, run.stderr
-    assert elapsed < 3.0, f"verl-tasks status took {elapsed:.2f}s"
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 1.5, f"verl-tasks status used {cpu:.2f} CPU seconds"
 
 
 def test_metrics_out_file_is_replaced_whole(many_epochs, tmp_path):
