@@ -246,3 +246,21 @@ def test_batches_the_epoch_went_on_without_are_skipped_not_pending(tmp_path):
         assert units[(("phase", phase), ("state", "pending"))] == 0
     assert units[(("phase", "validate"), ("state", "pending"))] == 1
     assert m["verl_tasks_pending_ratio"][()] == pytest.approx(4 / 13)  # validate, update, snapshot, evaluate
+
+
+def test_status_and_metrics_read_an_s3_store_like_a_local_one(tmp_path, moto_endpoint, s3_bucket):
+    from verl_tasks.config import load_config
+    from verl_tasks.status import status
+
+    shown = {}
+    for name, uri in (("local", f"file://{tmp_path}/store"), ("s3", f"s3://{s3_bucket}/prefix")):
+        cfg = load_config(write_yaml(tmp_path, {"epochs": 3, "rollout.batches_per_epoch": 2, "storage.uri": uri,
+                                                "storage.endpoint_url": moto_endpoint if name == "s3" else None}))
+        fabricate(cfg, 2)
+        m = metrics_of(cfg)
+        shown[name] = ({k: v for k, v in m.items() if "second" not in k and "lag" not in k},
+                       [row["phases"] for row in status(cfg, store_for(cfg))["epochs"]])
+    assert shown["s3"] == shown["local"]
+    metrics, phases = shown["s3"]
+    assert metrics["verl_tasks_current_epoch"][()] == 2 and metrics["verl_tasks_pending_ratio"][()] == 1
+    assert len(phases) == 2 and all(state == "committed" for row in phases for state in row.values())
