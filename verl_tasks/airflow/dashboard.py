@@ -228,7 +228,7 @@ def _curves_spec(points: bool) -> dict[str, Any]:
     chart = (
         alt.Chart(alt.NamedData(name="curves"))
         .mark_line(point=points)
-        .encode(x=alt.X("epoch:Q", title="epoch", axis=alt.Axis(tickMinStep=1)),
+        .encode(x=alt.X("epoch:Q", title="epoch", axis=alt.Axis(tickMinStep=1, format="d")),
                 y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
                 tooltip=["metric:N", "epoch:Q", alt.Tooltip("value:Q", format=".4f")])
         .properties(width=230, height=130)

@@ -1,0 +1,154 @@
+"""The Training page in a real browser, reached the way a person reaches it: log in to Airflow's UI,
+click "Training" in the main navigation, and read the page Airflow shows in its frame.
+
+A real ``airflow api-server`` (SQLite, SimpleAuthManager with a password file) serves the UI, the
+plugin and one experiment DAG whose store holds three finished epochs. Headless Chromium (Debian's
+``chromium``, installed by ``make install``) runs through Playwright's Python package; nothing is
+downloaded. The screenshot is kept under the test's tmp folder; with ``VT_SAVE_SCREENSHOT=1`` it is
+also copied to ``docs/img/dashboard.png`` (the README shows it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from benchmarks.dashboard_render import fabricate
+from tests.airflow.e2e_support import free_port, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+EXPERIMENT, DAG_ID, EPOCHS = "browser-demo", "vt_browser", 12
+
+pytestmark = pytest.mark.airflow
+
+
+def _layout(root: Path) -> None:
+    """One experiment YAML, its DAG file, and a store with three finished epochs of it."""
+    raw = yaml.safe_load((REPO / "dags" / "experiments" / "tiny_arith.yaml").read_text())
+    raw.update(experiment=EXPERIMENT, epochs=EPOCHS)
+    raw.setdefault("rollout", {})["batches_per_epoch"] = 4
+    raw["storage"] = {"uri": f"file://{root / 'store'}"}
+    (root / "experiments").mkdir()
+    (root / "experiments" / f"{DAG_ID}.yaml").write_text(yaml.safe_dump(raw))
+    (root / "dags").mkdir()
+    (root / "dags" / f"{DAG_ID}.py").write_text(
+        "from verl_tasks.airflow.factory import build_dag\n"
+        f"dag = build_dag({str(root / 'experiments' / f'{DAG_ID}.yaml')!r})\n")
+    fabricate(root / "store", EXPERIMENT, EPOCHS, 4)
+    _failed_attempt(root / "store")
+
+
+def _failed_attempt(store_root: Path) -> None:
+    """Rollout batch 2 of epoch 1 failed once before it committed: its cell shows the retry."""
+    from verl_tasks.events import record_event
+    from verl_tasks.layout import Layout
+    from verl_tasks.store.local import LocalStore
+
+    unit = Layout(EXPERIMENT).rollout(1, 2)
+    ids = {"unit": unit, "epoch": 1, "phase": "rollout", "batch": 2, "attempt": "first-try"}
+    record_event(LocalStore(store_root), Layout(EXPERIMENT), "started", **ids)
+    record_event(LocalStore(store_root), Layout(EXPERIMENT), "failed", error="RuntimeError: worker lost", **ids)
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
+    env.update({
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "AIRFLOW_HOME": str(root),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{root}/airflow.db",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(root / "passwords.json"),
+        "AIRFLOW__API__SECRET_KEY": os.urandom(16).hex(),
+        "AIRFLOW__API_AUTH__JWT_SECRET": os.urandom(32).hex(),
+        "VERL_TASKS_EXPERIMENTS_DIR": str(root / "experiments"),
+    })
+    return env
+
+
+def _airflow(env: dict[str, str], *args: str) -> None:
+    done = subprocess.run([str(VENV_BIN / "airflow"), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"airflow {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def airflow_ui(tmp_path_factory):
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: run `make install` (it installs Debian's chromium)")
+    root = tmp_path_factory.mktemp("dashboard-browser")
+    _layout(root)
+    password = f"pw-{os.urandom(6).hex()}"
+    (root / "passwords.json").write_text(json.dumps({"admin": password}))
+    env = _env(root)
+    _airflow(env, "db", "migrate")
+    _airflow(env, "dags", "reserialize")
+    port = free_port()
+    log = open(root / "api-server.log", "ab")
+    proc = subprocess.Popen([str(VENV_BIN / "airflow"), "api-server", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("the api-server", lambda: requests.get(f"{base}/api/v2/monitor/health", timeout=5).ok, 180,
+                 diagnose=lambda: (root / "api-server.log").read_text(errors="replace")[-3000:])
+        yield base, password, root
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    base, password, root = airflow_ui
+    shot = tmp_path / "dashboard.png"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1300})
+            page.goto(f"{base}/", timeout=60_000)
+            page.locator("input[name=username]").fill("admin")
+            page.locator("input[name=password]").fill(password)
+            page.locator("button[type=submit]").click()
+            training = page.get_by_role("link", name="Training")
+            expect(training).to_be_visible(timeout=60_000)  # a top-level entry of the main navigation
+            training.click()
+            frame = page.frame_locator("iframe")
+            expect(frame.locator("h2")).to_have_text(EXPERIMENT, timeout=60_000)
+            grid = frame.locator("table.grid tr")
+            expect(grid).to_have_count(EPOCHS + 1)  # header + one row per epoch
+            expect(frame.locator("table.grid td.committed")).not_to_have_count(0)
+            retried = frame.locator(f'span.retried[title^="{EXPERIMENT}/epochs/00001/rollout/b0002: committed"]')
+            expect(retried).to_have_attribute("title", re.compile(r"2 attempt\(s\), 1 failed"))
+            chart = frame.locator(".chart svg")
+            expect(chart).to_be_visible()
+            assert chart.locator("path").count() >= 6, "no curve drawn"  # one line per curve at least
+            for title in ("reward (mean)", "eval accuracy", "KL", "clip fraction", "entropy", "grad norm"):
+                expect(chart.get_by_text(title, exact=True)).to_be_visible()
+            expect(frame.locator("table.snapshots tr")).to_have_count(EPOCHS + 1)
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("VT_SAVE_SCREENSHOT") == "1":
+        target = REPO / "docs" / "img" / "dashboard.png"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, target)
