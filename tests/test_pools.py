@@ -183,3 +183,37 @@ def test_backend_ray_gives_the_inline_weights(tmp_path):
                               "--json"], cwd=ROOT, check=True, capture_output=True, text=True)
         shas[backend] = json.loads(out.stdout)["latest_snapshot"]["weights_sha256"]
     assert shas["ray"] == shas["inline"]
+
+
+def test_a_ray_job_past_its_timeout_is_cancelled_and_the_retry_is_a_new_attempt(gpu_head, tiny_config, tmp_path):
+    """The unit's timeout is enforced where it runs (the job's driver), not only by Airflow."""
+    from verl_tasks.execution.outcome import parse_result
+    from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
+
+    plan, info = gpu_head["plan"], gpu_head["info"]
+    ctx = _planned(tiny_config, f"file://{tmp_path}/store", **{"fault_tolerance.timeout_s": {"rollout": 20}})
+    name = ctx.config.experiment
+    spec = UnitSpec(name, "rollout", 0, 0)
+    held = hold(plan, name, 0, 0)
+    backend = RayJobBackend(RayTarget(info.address, read_token(info.token_file)))
+    first = backend.submit(ctx.config, spec)
+
+    def in_its_middle():
+        if held.exists():
+            return held.read_text()
+        status = backend.status(first.submission_id)
+        return None if status in ("PENDING", "RUNNING") else f"job {status}: {backend.logs(first.submission_id)[-3000:]}"
+
+    seen = wait_until("the rollout to be in its middle", in_its_middle)
+    assert seen.isdigit(), seen
+    pid = int(seen)
+    assert backend.wait(first.submission_id, timeout_s=180) == "FAILED"
+    result = parse_result(backend.logs(first.submission_id))
+    assert result["error"]["type"] == "UnitTimeout", result
+    wait_until("the hung worker process to be gone", lambda: not Path(f"/proc/{pid}").exists(), timeout_s=30)
+    release(plan, name, 0, 0)
+    second = backend.submit(ctx.config, spec)
+    assert (second.attempt, second.submitted) == (2, True)
+    assert backend.wait(second.submission_id, timeout_s=240) == "SUCCEEDED", backend.logs(second.submission_id)[-3000:]
+    fenced = [k for k in ctx.store.list(Layout(name).rollout(0, 0)) if "/.fenced/" in k]
+    assert len(fenced) == 1 and read_marker(ctx.store, Layout(name).rollout(0, 0)).attempt not in fenced[0]

@@ -39,6 +39,6 @@ def ray_head(tmp_path_factory):
 
     state = tmp_path_factory.mktemp("ray-head")
     port = int(os.environ.get("VT_TEST_RAY_PORT", "6411"))
-    info = local_head.start(state, port=port, dashboard_port=port + 1900, num_cpus=2)
+    info = local_head.start(state, port=port, dashboard_port=port + 1900, num_cpus=8)
     yield info
     local_head.stop(state)

@@ -233,7 +233,7 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
 
         stop.callback(shutil.rmtree, f"/tmp/vt-ray-{ray_port}", True)
         stop.callback(local_head.stop, head_state)
-        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=2)
+        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=8)
         assert head.client_env() == head_env, (head.client_env(), head_env)
         api = Api(airflow.base_url)
 

@@ -110,13 +110,13 @@ def test_deterministic_job_error_fails_the_task_without_retries(client_env):
 LIST_WORKERS = """
 import json, sys
 from ray.util.state import list_actors
-alive = list_actors(address=sys.argv[1], filters=[("class_name", "=", "PhaseWorker"), ("state", "=", "ALIVE")])
+alive = list_actors(address=sys.argv[1], filters=[("class_name", "=", "PoolWorker"), ("state", "=", "ALIVE")])
 print(json.dumps([actor.pid for actor in alive]))
 """
 
 
 def _resident_worker_environments(ray_head) -> list[bytes]:
-    """The environment of every live resident PhaseWorker actor of this head, read from /proc.
+    """The environment of every live PoolWorker actor of this head, read from /proc.
 
     The state API is asked from a fresh process: Ray reads its token settings once per process.
     """
@@ -158,7 +158,7 @@ def test_operator_defers_and_completes_without_sending_credentials(client_env, r
     for text in (SECRET, SECRET_ID):
         assert text not in details  # entrypoint, runtime_env, metadata, message of every job
     environments = _resident_worker_environments(ray_head)
-    assert environments, "no resident PhaseWorker actor found"
+    assert environments, "no PoolWorker actor found"
     assert not any(SECRET.encode() in env or SECRET_ID.encode() in env for env in environments)
 
 

@@ -2,7 +2,7 @@
 separate components (api-server, scheduler, dag-processor, triggerer; LocalExecutor, PostgreSQL),
 a project-local Ray head (token auth on), S3 on a moto server. One stack per module.
 
-1. a rollout unit's worker process (the resident ``PhaseWorker`` actor running it) is SIGKILLed in
+1. a rollout unit's worker process (the ``PoolWorker`` actor of its rollout pool running it) is SIGKILLed in
    the middle of its batch: the Ray job fails, Airflow retries it, Ray restarts the actor;
 9. the Ray head is stopped (SIGTERM to its process group) and started again on the same ports with
    the same token while a rollout is running: the actor and the job history go with the head; the
@@ -87,6 +87,8 @@ fault_tolerance:
 storage:
   uri: {uri}
   aws_conn_id: {conn_id}
+resources:
+  rollout: {{workers: 2}}  # one pool worker per batch: killing batch b's worker leaves the other batch alone
 """
 
 DAG_FILE = """\
@@ -242,8 +244,6 @@ def cluster(tmp_path_factory, moto_endpoint):
                 "conn_type": "aws", "login": AWS_KEY, "password": AWS_SECRET,
                 "extra": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}),
             "AIRFLOW_CONN_VERL_AIRFLOW_API": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port}),
-            # one resident worker per batch: killing batch b's worker leaves the other batch alone
-            "VERL_TASKS_RESIDENT_SLOTS": str(BATCHES),
             **head_env,
         })
         started = time.monotonic()
@@ -253,7 +253,7 @@ def cluster(tmp_path_factory, moto_endpoint):
         stop.callback(lambda: migrate.poll() is None and os.killpg(migrate.pid, signal.SIGKILL))
         stop.callback(shutil.rmtree, f"/tmp/vt-ray-{ray_port}", True)
         stop.callback(local_head.stop, head_state)
-        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=2)
+        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=8)
         assert head.client_env() == head_env
         assert migrate.wait(timeout=300) == 0, (home / "migrate.log").read_text()[-3000:]
         parts = {name: Component(name, home, env) for name in ("api-server", "scheduler", "dag-processor", "triggerer")}
@@ -483,7 +483,7 @@ def test_ray_head_restarted_during_epoch(cluster):
     finally:
         _release(cluster, experiment, batch)
     time.sleep(rng.uniform(1, 4))  # the cluster stays down a (seeded) moment
-    local_head.start(cluster["head_state"], port=ray_port, dashboard_port=dash_port, num_cpus=2)
+    local_head.start(cluster["head_state"], port=ray_port, dashboard_port=dash_port, num_cpus=8)
     head_down_s = time.monotonic() - stopped_at
     print(f"head back after {head_down_s:.1f}s")
     _wait(cluster, run_id, f"{ROLLOUT}[{batch}] to succeed again",

@@ -14,6 +14,7 @@ import argparse
 import base64
 import json
 import logging
+import signal
 import sys
 import time
 
@@ -40,9 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", required=True, choices=PHASE_NAMES)
     parser.add_argument("--epoch", required=True, type=int)
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--resident", action="store_true",
-                        help="run the unit on a warm, detached Ray actor instead of in this process")
-    parser.add_argument("--slots", type=int, default=1, help="resident workers that mapped phases spread over")
+    parser.add_argument("--pool", action="store_true",
+                        help="run the unit on the phase's worker pool instead of in this process")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("botocore", "urllib3", "s3transfer", "great_expectations", "filelock"):
@@ -52,11 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config_json = decode_config(args.config_b64)
         config = parse_config(config_json)
+        spec = UnitSpec(config.experiment, args.phase, args.epoch, args.batch)
         unit = Layout(config.experiment).unit(args.phase, args.epoch, args.batch)
-        if args.resident:
-            from verl_tasks.execution.resident import run_on_resident_worker
-
-            result = run_on_resident_worker(config_json, args.phase, args.epoch, args.batch, args.slots)
+        if args.pool:
+            result = _run_on_pool(config, spec)
             for line in result.pop("log", []):
                 sys.stderr.write(line + "\n")
             if not result.get("ok"):
@@ -65,12 +64,35 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from verl_tasks.execution.inline import InlineBackend, record_summary
 
-            spec = UnitSpec(config.experiment, args.phase, args.epoch, args.batch)
             summary = record_summary(InlineBackend().run(config, spec))
     except Exception as err:  # noqa: BLE001 - reported as the job's last line, then a non-zero exit
         log.exception("unit %s failed", unit)
         return _report(failure_result(err, unit))
     return _report({"ok": True, **summary, "duration_s": round(time.monotonic() - started, 3)})
+
+
+def _run_on_pool(config, spec: UnitSpec) -> dict:
+    """Hand the unit to its pool under a fresh attempt id; a stop of this job cancels it there.
+
+    Ray stops a job with SIGTERM to this driver (Airflow's clear, mark-failed, timeout and
+    ``on_kill`` all end in ``stop_job``): the handler fences the attempt, so it can never
+    commit, and kills the actor running it, so its slot is free again at once.
+    """
+    from verl_tasks.execution import pools
+    from verl_tasks.store.units import new_attempt_id
+
+    pools.ensure_connected()
+    attempt = new_attempt_id()
+    ref, actor = pools.submit(config, spec, attempt)
+
+    def cancel(signum: int, _frame: object) -> None:
+        pools.cancel_unit(config, spec, attempt, actor, f"job stopped (signal {signum})")
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, cancel)
+    signal.signal(signal.SIGINT, cancel)
+    timeout_s = config.fault_tolerance.timeout_s.get(spec.phase)
+    return pools.wait(config, spec, attempt, ref, actor, timeout_s)
 
 
 def _report(result: dict) -> int:

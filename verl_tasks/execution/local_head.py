@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+# Logical CPUs the head offers: every phase pool of an experiment (1 CPU per worker by default)
+# stays resident at once on a small machine; Ray's CPU resource is a placement count, not a limit.
+LOGICAL_CPUS = 8
 
 
 @dataclass
@@ -111,8 +114,8 @@ def _ready(info: HeadInfo, timeout_s: float) -> None:
     raise TimeoutError(f"ray head at {info.address} not ready after {timeout_s}s: {last}")
 
 
-def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = 2, num_gpus: int = 0,
-          cwd: Path | None = None, timeout_s: float = 90) -> HeadInfo:
+def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = LOGICAL_CPUS,
+          num_gpus: int = 0, cwd: Path | None = None, timeout_s: float = 90) -> HeadInfo:
     """Start the head (or return the running one) and wait until its Jobs API answers.
 
     Workers start in ``cwd`` (default: the state folder), where relative paths resolve.
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", default=".ray-head")
     parser.add_argument("--port", type=int, default=6399)
     parser.add_argument("--dashboard-port", type=int, default=8275)
-    parser.add_argument("--num-cpus", type=int, default=2)
+    parser.add_argument("--num-cpus", type=int, default=LOGICAL_CPUS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     state = Path(args.state_dir)

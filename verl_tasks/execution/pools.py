@@ -1,18 +1,20 @@
 """Worker pools on the Ray cluster: actors that hold a phase's resources and keep its work warm.
 
-Each phase kind (``rollout``, ``score``, ``update``, ``evaluate``, and ``light`` for
-plan, validate and snapshot) has a pool of ``resources.<phase>.workers`` named,
-detached actors, created with that phase's ``num_cpus``, ``num_gpus``,
+Each experiment has, per phase kind (``rollout``, ``score``, ``update``, ``evaluate``,
+and ``light`` for plan, validate and snapshot), a pool of ``resources.<phase>.workers``
+named, detached actors, created with that phase's ``num_cpus``, ``num_gpus``,
 ``memory_mb`` and custom resources, so Ray places each on a node that has them
 and the GPUs a unit computes on are the ones its actor reserved. An actor keeps
 its process warm (torch imported, the policy loaded and keyed by the snapshot's
 sha256, the reward workers, the quality gate); the store stays the truth, so an
 actor that dies loses nothing but time.
 
-Names tie an actor to the exact code and resource shape::
+Names tie an actor to its experiment, the exact code and the resource shape::
 
-    vt-<kind>-<code fingerprint>-<shape digest>-<index>
+    vt:<experiment>:<kind>:<code fingerprint>:<shape digest>:<index>
 
+Units of different experiments never share an actor, so none waits behind
+another experiment's hung unit.
 so a deploy of new code gets new actors, and the old ones are retired (they exit
 once idle). An actor with no unit for ``idle_release_s`` exits and frees its
 resources. A unit goes to an idle actor of its pool when there is one (mapped
@@ -43,9 +45,10 @@ from verl_tasks.execution import UnitSpec
 log = logging.getLogger(__name__)
 
 NAMESPACE = "verl-tasks"
-PREFIX = "vt-"
+PREFIX = "vt:"  # ":" never occurs in an experiment name, so prefixes never overlap
 LIGHT = ("plan", "validate", "snapshot")
 STATE_WAIT_S = 0.2
+STATE_POLL_S = 0.5
 
 
 def pool_kind(phase: str) -> str:
@@ -67,6 +70,7 @@ def code_fingerprint() -> str:
 class PoolShape:
     """The resources every actor of one pool holds, and how many actors the pool has."""
 
+    experiment: str
     kind: str
     num_cpus: float
     num_gpus: float
@@ -78,7 +82,7 @@ class PoolShape:
     @classmethod
     def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
         res: Resources = config.phase_resources(phase)
-        return cls(pool_kind(phase), res.num_cpus, res.num_gpus, res.memory_mb,
+        return cls(config.experiment, pool_kind(phase), res.num_cpus, res.num_gpus, res.memory_mb,
                    tuple(sorted(res.custom.items())), res.workers, res.idle_release_s)
 
     @property
@@ -88,10 +92,10 @@ class PoolShape:
 
     @property
     def prefix(self) -> str:
-        return f"{PREFIX}{self.kind}-"
+        return f"{PREFIX}{self.experiment}:{self.kind}:"
 
     def actor_name(self, index: int) -> str:
-        return f"{self.prefix}{code_fingerprint()}-{self.digest}-{index}"
+        return f"{self.prefix}{code_fingerprint()}:{self.digest}:{index}"
 
     def actor_options(self, index: int) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -145,7 +149,7 @@ class PoolWorker:
 
         label = UnitSpec(str(config_json.get("experiment")), phase, epoch, batch).label
         with self._run_lock:
-            self._busy = {"unit": label, "since": time.time()}
+            self._busy = {"unit": label, "attempt": attempt, "since": time.time()}
             capture = _Capture(threading.get_ident())
             root = logging.getLogger()
             root.addHandler(capture)
@@ -194,7 +198,7 @@ def ensure_connected(address: str | None = None) -> None:
 
 def retire_stale(shape: PoolShape) -> list[str]:
     """Ask actors of this kind built from other code to exit once idle. Returns their names."""
-    current = f"{shape.prefix}{code_fingerprint()}-"
+    current = f"{shape.prefix}{code_fingerprint()}:"
     stale = [name for name in _named_actors() if name.startswith(shape.prefix) and not name.startswith(current)]
     for name in stale:
         try:
@@ -251,10 +255,34 @@ def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = 
     (Ray restarts it empty), then :class:`verl_tasks.errors.UnitTimeout` is raised.
     """
     ref, actor = submit(config, spec, attempt)
+    return wait(config, spec, attempt, ref, actor, timeout_s)
+
+
+def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
+         timeout_s: float | None) -> dict[str, Any]:
+    """The result of a submitted unit; ``timeout_s`` after it *started* (time queued for a worker
+    or its resources does not count), it is cancelled and UnitTimeout raised."""
+    if timeout_s is None:
+        return ray.get(ref)
+    started = _wait_started(ref, actor, attempt)
     try:
-        return ray.get(ref, timeout=timeout_s)
+        return ray.get(ref, timeout=max(0.0, timeout_s - (time.time() - started)))
     except ray.exceptions.GetTimeoutError:
         raise _timed_out(config, spec, attempt, actor, timeout_s) from None
+
+
+def _wait_started(ref: Any, actor: Any, attempt: str | None) -> float:
+    """When the actor began this attempt (epoch seconds); now if it already finished or cannot say."""
+    while True:
+        ready, _ = ray.wait([ref], timeout=STATE_POLL_S)
+        if ready:
+            return time.time()
+        try:
+            busy = ray.get(actor.state.remote(), timeout=STATE_POLL_S * 10)["busy"]
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            continue  # still being placed or restarted: queued, not running
+        if busy and busy.get("attempt") == attempt:
+            return float(busy["since"])
 
 
 def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) -> Iterator[int | None]:
@@ -310,5 +338,5 @@ def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, a
     return unit
 
 
-__all__ = ["PoolShape", "PoolWorker", "dispatch", "submit", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
+__all__ = ["PoolShape", "PoolWorker", "dispatch", "submit", "wait", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
            "NAMESPACE"]

@@ -45,6 +45,8 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 ADDRESS_ENVS = ("VERL_TASKS_RAY_ADDRESS", "RAY_ADDRESS")
 UNIT_META = "verl_tasks_unit"
 DUPLICATE_ID = "Please use a different submission_id"
+MAX_ATTEMPTS = 1000
+OVERDUE_S = 30.0  # grace past a unit's timeout before a live job of it counts as hung
 RETRY_ENV = "VERL_TASKS_RAY_RETRY_S"
 DEFAULT_RETRY_S = 120.0
 _HTTP_STATUS = re.compile(r"status code (\d{3})")
@@ -183,6 +185,7 @@ class JobHandle:
     status: str
     attempt: int
     submitted: bool
+    started_at: float = 0.0  # epoch seconds, 0 when unknown
 
 
 class RayJobBackend:
@@ -192,8 +195,8 @@ class RayJobBackend:
         target: the dashboard address and token.
         python: the interpreter the job runs (``VERL_TASKS_RAY_PYTHON``).
         env: plain settings for every job's environment (never credentials: the Jobs API shows them).
-        resident: run units on warm detached actors (``VERL_TASKS_RESIDENT``, default on).
-        slots: resident workers that mapped phases spread over.
+        pool: run units on the phase's worker pool (``VERL_TASKS_POOLS``, default on; see pools.py);
+            off, the unit runs in the job's own process, which then holds the phase's resources.
         retry_s: how long transient dashboard errors are retried (0: raise at once).
 
     Example::
@@ -204,12 +207,10 @@ class RayJobBackend:
     """
 
     def __init__(self, target: RayTarget, *, python: str | None = None, env: dict[str, str] | None = None,
-                 resident: bool | None = None, slots: int | None = None, retry_s: float | None = None):
+                 pool: bool | None = None, retry_s: float | None = None):
         self.target = target
         self.retry_s = default_retry_s() if retry_s is None else retry_s
-        # Resident workers (warm detached actors) unless VERL_TASKS_RESIDENT=0: see execution/resident.py.
-        self.resident = resident if resident is not None else os.environ.get("VERL_TASKS_RESIDENT", "1") != "0"
-        self.slots = slots or int(os.environ.get("VERL_TASKS_RESIDENT_SLOTS", "1"))
+        self.pool = pool if pool is not None else os.environ.get("VERL_TASKS_POOLS", "1") != "0"
         self.python = python or os.environ.get("VERL_TASKS_RAY_PYTHON", "python")
         self.env = dict(env or {})
         self._client = None
@@ -231,17 +232,29 @@ class RayJobBackend:
 
     # -- finding -----------------------------------------------------------------
     def unit_jobs(self, spec: UnitSpec) -> list[JobHandle]:
-        """Every job of the unit, oldest attempt first."""
-        prefix = submission_prefix(spec)
+        """Every job of the unit, oldest attempt first, asked for by id (never by listing the cluster).
+
+        Attempt ids are dense (``-a1``, ``-a2``, ...), so the unit's jobs are found by asking
+        for each id in turn until one does not exist: the cost grows with the unit's own
+        attempts, not with the number of jobs the cluster has run.
+        """
         found = []
-        for job in self._retry("list_jobs", lambda: self.client.list_jobs()):
-            number = attempt_number(spec, job.submission_id or "")
-            if number is None:
-                continue
-            found.append(JobHandle(job.submission_id, str(getattr(job.status, "value", job.status)), number, False))
-        found.sort(key=lambda h: h.attempt)
-        log.debug("%d job(s) with prefix %s", len(found), prefix)
+        for number in range(1, MAX_ATTEMPTS + 1):
+            info = self._job_info(submission_id(spec, number))
+            if info is None:
+                break
+            found.append(JobHandle(info.submission_id, str(getattr(info.status, "value", info.status)), number,
+                                   False, (info.start_time or 0) / 1000.0))
         return found
+
+    def _job_info(self, job_id: str) -> Any:
+        """The job's details, or None when no job has this id."""
+        try:
+            return self._retry(f"info of {job_id}", lambda: self.client.get_job_info(job_id))
+        except RuntimeError as err:
+            if "does not exist" in str(err) or "404" in str(err):
+                return None
+            raise
 
     # -- submitting --------------------------------------------------------------
     def entrypoint(self, config: ExperimentConfig, spec: UnitSpec) -> str:
@@ -251,8 +264,8 @@ class RayJobBackend:
                  "--phase", spec.phase, "--epoch", str(spec.epoch)]
         if spec.batch is not None:
             parts += ["--batch", str(spec.batch)]
-        if self.resident:
-            parts += ["--resident", "--slots", str(self.slots)]
+        if self.pool:
+            parts.append("--pool")
         return " ".join(shlex.quote(p) for p in parts)
 
     def submit(
@@ -280,6 +293,13 @@ class RayJobBackend:
         """
         jobs = self.unit_jobs(spec)
         live = [j for j in jobs if j.status in LIVE]
+        timeout_s = config.fault_tolerance.timeout_s.get(spec.phase)
+        if live and timeout_s and live[-1].started_at and time.time() - live[-1].started_at > timeout_s + OVERDUE_S:
+            # Its unit is past its timeout (the driver should have ended it): never attach to a hung attempt.
+            log.warning("Ray job %s of unit %s is past its %gs timeout; stopping it and starting a new attempt",
+                        live[-1].submission_id, spec.label, timeout_s)
+            self.stop(live[-1].submission_id)
+            live = []
         if live:
             log.info("attaching to live Ray job %s (%s) of unit %s", live[-1].submission_id, live[-1].status, spec.label)
             return live[-1]
@@ -296,9 +316,10 @@ class RayJobBackend:
                 entrypoint=self.entrypoint(config, spec),
                 runtime_env=runtime_env,
                 metadata={UNIT_META: spec.label, "experiment": spec.experiment},
-                entrypoint_num_cpus=resources.num_cpus,
-                entrypoint_num_gpus=resources.num_gpus,
-                entrypoint_memory=int(resources.memory_mb * 1024 * 1024) if resources.memory_mb else None,
+                # With pools the phase's actor holds its resources; the driver only waits for it.
+                entrypoint_num_cpus=0 if self.pool else resources.num_cpus,
+                entrypoint_num_gpus=0 if self.pool else resources.num_gpus,
+                entrypoint_memory=int(resources.memory_mb * 1024 * 1024) if resources.memory_mb and not self.pool else None,
             )
         except RuntimeError as err:
             if DUPLICATE_ID in str(err):  # another retry of this unit won the same attempt id: attach
