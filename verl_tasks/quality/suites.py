@@ -35,10 +35,12 @@ class Limits:
 
 def _gx():
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
-    # GE logs "Created temporary directory ... ephemeral docs site" at INFO for every context.
-    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     import great_expectations as gx
 
+    # GE logs "Created temporary directory ... ephemeral docs site" at INFO for every context, from a
+    # logger whose own level GE sets on import (so the parent's level alone does not silence it).
+    for name in ("great_expectations", "great_expectations.data_context.types.base"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return gx
 
 
