@@ -182,3 +182,12 @@ def test_store_folders_are_bounded_and_experiments_need_experiment_json(store):
     assert store.folders(10) == ["a-exp", "b-exp", "c-exp", "not-an-experiment"]
     assert store.folders(2) == ["a-exp", "b-exp"]
     assert store_experiments(store) == ["a-exp", "b-exp", "c-exp"]
+
+
+def test_the_store_of_a_dag_the_user_may_not_read_is_never_opened(tmp_path, two_dags):
+    from verl_tasks.airflow.plugin import _unopened, render_page
+
+    hidden = _unopened("gpu", _yaml(tmp_path, "gpu", "gpu-exp", "s3://bucket/runs"))
+    assert hidden.store is None and hidden.experiment == "gpu-exp"
+    page = render_page(two_dags, two_dags + [hidden], {})
+    assert "s3://bucket/runs" not in page and "gpu" not in _shown(page)
