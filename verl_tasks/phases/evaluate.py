@@ -12,7 +12,7 @@ from verl_tasks.models.engines import SamplingSpec, get_engine
 from verl_tasks.phases.common import PhaseContext, derive_seed, load_version, run_unit
 from verl_tasks.phases.prepare import eval_rows
 from verl_tasks.phases.snapshot import retain_after_evaluate
-from verl_tasks.rewards.sandbox import RewardSandbox
+from verl_tasks.rewards.sandbox import warm_sandbox
 from verl_tasks.store.units import CommitRecord, UnitWriter
 
 CHUNK = 256
@@ -36,7 +36,7 @@ def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> 
             {"id": r["id"], "data_source": r["data_source"], "solution_str": t, "ground_truth": r["ground_truth"], "extra_info": r["extra_info"]}
             for r, t in zip(rows, texts)
         ]
-        with RewardSandbox(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.memory_limit_mb) as sandbox:
+        with warm_sandbox(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.memory_limit_mb) as sandbox:
             result = sandbox.score(requests, cfg.rewards.default_score)
         accuracy = sum(s >= 1.0 for s in result.scores) / max(1, len(rows))
         metrics = {

@@ -13,6 +13,8 @@ else gets the default score and a restarted worker.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import math
@@ -23,9 +25,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from verl_tasks.errors import ConfigError
 from verl_tasks.secrets import scrubbed_env
@@ -53,6 +56,7 @@ class RewardSandbox:
         self._buffer = b""
         self._eof = False
         self.workdir: str | None = None
+        self.started_env: dict[str, str] | None = None
 
     def _limits(self) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (self.memory_limit, self.memory_limit))
@@ -68,10 +72,11 @@ class RewardSandbox:
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
         self.workdir = tempfile.mkdtemp(prefix="vt-reward-")
+        self.started_env = self._environment()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "verl_tasks.rewards.worker", self.function, str(write_fd)],
             cwd=self.workdir,
-            env=self._environment(),
+            env=self.started_env,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE if log.isEnabledFor(logging.DEBUG) else subprocess.DEVNULL,
@@ -175,3 +180,37 @@ def check_reply(reply: Any, index: int) -> tuple[float | None, str | None]:
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
         return None, f"{BAD_REPLY}: score {str(score)[:100]} is not a finite number"
     return float(score), None
+
+
+_WARM: dict[tuple[str, float, int], RewardSandbox] = {}
+_WARM_LOCKS: dict[tuple[str, float, int], threading.Lock] = {}
+_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def warm_sandbox(function: str, timeout_s: float, memory_limit_mb: int) -> Iterator[RewardSandbox]:
+    """The process's worker for this reward function, kept between batches (one user at a time).
+
+    Starting a worker costs a Python start-up and the function's imports; a warm one is
+    reused by the next batch. Isolation and limits are the same; a worker that crashed,
+    hung or broke the protocol is replaced (``score`` restarts it), and every worker is
+    closed when the process exits.
+    """
+    key = (function, timeout_s, memory_limit_mb)
+    with _GUARD:
+        lock = _WARM_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        sandbox = _WARM.get(key)
+        if sandbox is not None and sandbox.started_env != RewardSandbox._environment():
+            sandbox.close()  # the worker would see a stale environment or working folder
+            sandbox = None
+        if sandbox is None:
+            sandbox = _WARM[key] = RewardSandbox(function, timeout_s, memory_limit_mb)
+        yield sandbox
+
+
+@atexit.register
+def _close_warm() -> None:
+    for sandbox in _WARM.values():
+        sandbox.close()
+
