@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make demo: a local Ray head, a project-local Airflow (SQLite), the tiny experiment's DAG end to end
-# with every phase submitted as a Ray job (`airflow dags test`), then the summary table. Exit 0 on success.
-#   DEMO_EPOCHS=N (default 5, at most the YAML's 8)   DEMO_EXPERIMENT=name (default tiny-arith)
+# with every phase a Ray job run on the experiment's worker pools (`airflow dags test`), one line per
+# committed unit as it goes, then the summary table. Exit 0 on success.
+#   DEMO_EPOCHS=N (default 8, the YAML's epochs)   DEMO_EXPERIMENT=name (default tiny-arith)
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
@@ -9,11 +10,16 @@ source scripts/airflow_env.sh
 PY="$REPO/.venv/bin/python"
 STATE="$REPO/.ray-head"
 EXPERIMENT="${DEMO_EXPERIMENT:-tiny-arith}"
-EPOCHS="${DEMO_EPOCHS:-5}"   # of the DAG's 8; each epoch is 13 Ray jobs of ~5.5 s each on 2 cores (DEMO_EPOCHS=8 for all)
+EPOCHS="${DEMO_EPOCHS:-8}"
 export VERL_TASKS_BACKEND=ray
 
 AF_PID=""
-cleanup() { [ -n "$AF_PID" ] && kill "$AF_PID" 2>/dev/null; "$PY" -m verl_tasks.execution.local_head stop --state-dir "$STATE" || true; }
+WATCH_PID=""
+cleanup() {
+  [ -n "$WATCH_PID" ] && kill "$WATCH_PID" 2>/dev/null
+  [ -n "$AF_PID" ] && kill "$AF_PID" 2>/dev/null
+  "$PY" -m verl_tasks.execution.local_head stop --state-dir "$STATE" || true
+}
 trap cleanup EXIT
 
 "$PY" -m verl_tasks.execution.local_head start --state-dir "$STATE" --port "${RAY_PORT:-6399}" --dashboard-port "${RAY_DASHBOARD_PORT:-8275}"
@@ -22,6 +28,9 @@ eval "$("$PY" -m verl_tasks.execution.local_head env --state-dir "$STATE")"   # 
 airflow db migrate >"$AIRFLOW_HOME/migrate.log" 2>&1 || { tail -20 "$AIRFLOW_HOME/migrate.log"; exit 1; }
 airflow pools set verl_gpu 2 "GPU-bound phases (rollout, update)" >/dev/null
 started=$(date +%s)
+STORE="file://$VERL_TASKS_STORE_ROOT/.store"
+"$REPO/.venv/bin/verl-tasks" watch dags/experiments/tiny_arith.yaml --experiment "$EXPERIMENT" --store "$STORE" &
+WATCH_PID=$!
 airflow dags test tiny_arith -c "{\"experiment\": \"$EXPERIMENT\", \"epochs\": $EPOCHS}" >"$AIRFLOW_HOME/demo-dags-test.log" 2>&1 &
 AF_PID=$!
 if ! wait "$AF_PID"; then
@@ -33,4 +42,5 @@ fi
 AF_PID=""
 grep -q "state=success" "$AIRFLOW_HOME/demo-dags-test.log" || { echo "run did not succeed; see $AIRFLOW_HOME/demo-dags-test.log" >&2; exit 1; }
 echo "DAG run tiny_arith succeeded in $(( $(date +%s) - started ))s (phases ran as Ray jobs; log: $AIRFLOW_HOME/demo-dags-test.log)"
-COLUMNS="${COLUMNS:-140}" "$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --curve --experiment "$EXPERIMENT" --store "file://$VERL_TASKS_STORE_ROOT/.store"
+kill "$WATCH_PID" 2>/dev/null; WATCH_PID=""
+COLUMNS="${COLUMNS:-140}" "$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --curve --experiment "$EXPERIMENT" --store "$STORE"

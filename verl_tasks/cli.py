@@ -224,6 +224,41 @@ def metrics(
     console.print(f"metrics of {cfg.experiment} written to {out_file}")
 
 
+@app.command()
+def watch(
+    config: Path = typer.Argument(..., help="experiment YAML"),
+    store: Optional[str] = typer.Option(None),
+    experiment: Optional[str] = typer.Option(None),
+    every: float = typer.Option(1.0, help="seconds between looks at the state log"),
+    until_epochs: Optional[int] = typer.Option(None, help="return once this many epochs have a committed snapshot"),
+) -> None:
+    """Print one line per committed (or failed) unit as it happens, from the experiment's state log."""
+    from verl_tasks.events import follow_events
+    from verl_tasks.layout import Layout
+    from verl_tasks.store import store_for
+
+    try:
+        cfg = _load(config, store, experiment)
+        layout = Layout(cfg.experiment)
+        snapshots = 0
+        for event in follow_events(store_for(cfg), layout, every):
+            if event.get("kind") not in ("committed", "failed", "fallback", "safe_mode", "resumed"):
+                continue
+            where = f"e{event.get('epoch')} {event.get('phase', '')}" + (
+                f" b{event['batch']}" if event.get("batch") is not None else "")
+            took = f" in {event['duration_s']:.2f}s" if isinstance(event.get("duration_s"), (int, float)) else ""
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.get("time", time.time())))
+            out.print(f"{stamp} {event['kind']:<9} {where}{took}", highlight=False)
+            if event.get("kind") == "committed" and event.get("phase") == "snapshot":
+                snapshots += 1
+                if until_epochs is not None and snapshots >= until_epochs:
+                    return
+    except VerlTasksError as err:
+        _fail(err)
+    except KeyboardInterrupt:
+        return
+
+
 # --- operations after a fault: checkpoint, rollback, gc, resume -------------------------------------
 
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Verify, inspect and export snapshots.")

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from verl_tasks.layout import Layout
 from verl_tasks.store.base import ObjectStore
@@ -43,3 +43,19 @@ def read_events(store: ObjectStore, layout: Layout, limit: int | None = None) ->
         except Exception:  # noqa: BLE001 - one unreadable event should not hide the rest
             continue
     return out
+
+
+def follow_events(store: ObjectStore, layout: Layout, every: float = 1.0) -> Iterator[dict[str, Any]]:
+    """Events as they are recorded, oldest first, forever (a process watching a run; never breaks it)."""
+    seen: set[str] = set()
+    while True:
+        for key in store.list(layout.events + "/"):
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                yield json.loads(store.get(key))
+            except Exception:  # noqa: BLE001 - an unreadable event is skipped, like in read_events
+                continue
+        time.sleep(every)
+
