@@ -23,6 +23,7 @@ from verl_tasks.algos import lr_at
 from verl_tasks.config import load_config
 from verl_tasks.errors import ConfigError, PhaseFailed
 from verl_tasks.layout import Layout
+from verl_tasks.phases.snapshot import apply_retention
 from verl_tasks.runner import make_context, run_phase, status, train
 from verl_tasks.store import open_store
 from verl_tasks.store.conventions import WEIGHTS, read_best, read_skipped
@@ -158,6 +159,17 @@ def test_checkpoint_inspect_and_verify_show_the_best(best_run):
     info = json.loads(out.stdout)
     assert info["best"] is True and info["version"] == best
     subprocess.run(_cli("checkpoint", "verify", uri), cwd=ROOT, capture_output=True, text=True, check=True)
+
+
+def test_keep_best_set_later_picks_among_the_snapshots_still_there(best_run):
+    ctx, _ = best_run
+    later = make_context(ctx.config.model_copy(update={"storage": ctx.config.storage.model_copy(
+        update={"keep_best_by": "eval_reward_mean"})}))
+    kept = [v for v in range(1, EPOCHS + 1) if not is_pruned(ctx.store, ctx.layout.snapshot(v))]
+    assert apply_retention(later, EPOCHS) == []
+    reward = {v: read_marker(ctx.store, ctx.layout.evaluate(v - 1)).meta["metrics"]["eval_reward_mean"] for v in kept}
+    pointer = read_best(ctx.store, ctx.layout)
+    assert pointer["metric"] == "eval_reward_mean" and pointer["version"] == max(kept, key=lambda v: (reward[v], -v))
 
 
 # ---------------------------------------------------------------- skippable batches

@@ -48,11 +48,14 @@ def prune(ctx: PhaseContext, unit: str, reason: str) -> bool:
 
 
 def evaluations(ctx: PhaseContext, newest: int) -> tuple[dict[int, float], set[int]]:
-    """``storage.keep_best_by`` of each evaluated version up to ``newest``, and the versions still awaiting one."""
+    """``storage.keep_best_by`` of each evaluated version up to ``newest`` whose weights are still there
+    (one pruned before ``keep_best_by`` was set cannot come back), and the versions still awaiting one."""
     metric = ctx.config.storage.keep_best_by
     values: dict[int, float] = {}
     pending: set[int] = set()
     for version in range(1, newest + 1):
+        if is_pruned(ctx.store, ctx.layout.snapshot(version)):
+            continue
         record = committed(ctx, ctx.layout.evaluate(version - 1))
         if record is not None and metric in record.meta.get("metrics", {}):
             values[version] = float(record.meta["metrics"][metric])
@@ -72,8 +75,7 @@ def keep_best(ctx: PhaseContext, newest: int) -> set[int]:
         return pending
     best = max(values, key=lambda v: (values[v], -v))
     record = committed(ctx, ctx.layout.snapshot(best))
-    if record is not None and not is_pruned(ctx.store, record.unit) and write_best(
-            ctx.store, ctx.layout, best, metric, values[best], record):
+    if record is not None and write_best(ctx.store, ctx.layout, best, metric, values[best], record):
         record_event(ctx.store, ctx.layout, "best_snapshot", version=best, metric=metric, value=values[best])
     return pending | {best}
 
