@@ -39,6 +39,11 @@ chaos: install
 bench: install
 	$(BIN)/python benchmarks/run.py
 
+# On a machine with a CUDA GPU: vLLM vs HF tokens/s, and the tiny experiment on vLLM + cuda.
+gpu-check: install
+	$(BIN)/pip install -q -e '.[vllm]'
+	$(BIN)/python scripts/gpu_check.py
+
 airflow: install
 	bash scripts/airflow_ui.sh
 

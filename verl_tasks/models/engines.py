@@ -3,6 +3,8 @@ and ``vllm`` (GPU, optional extra). Both sample ``n`` responses per prompt from 
 seed, so a retried rollout reproduces its samples."""
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -10,6 +12,8 @@ from typing import Any, Callable
 import torch
 
 from verl_tasks.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,13 @@ def _trim(ids: list[int], eos_id: int) -> tuple[list[int], bool]:
 @register_engine("hf")
 @torch.no_grad()
 def generate_hf(
-    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None
+    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None,
+    options: "EngineOptions | None" = None, on_engine: Callable[[str], None] | None = None,
 ) -> list[Generation]:
-    """Left-padded batched ``generate``; responses are trimmed at (and keep) the first EOS."""
-    del policy_dir
+    """Left-padded batched ``generate``; responses are trimmed at (and keep) the first EOS.
+
+    The HF engine is the (warm, cached) policy module itself: no engine to build, no options."""
+    del policy_dir, options, on_engine
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rows = [ids for ids in prompts for _ in range(spec.n)]
     width = max(len(r) for r in rows)
@@ -88,7 +95,8 @@ def generate_hf(
 
 @register_engine("vllm")
 def generate_vllm(
-    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None
+    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None,
+    options: "EngineOptions | None" = None, on_engine: Callable[[str], None] | None = None,
 ) -> list[Generation]:
     """vLLM generation from the policy folder, one seed per request (prompt)."""
     del model
@@ -99,7 +107,7 @@ def generate_vllm(
         raise ConfigError("rollout.engine 'vllm' needs the extra: pip install 'verl-tasks[vllm]' on a GPU node") from err
     if policy_dir is None:
         raise ConfigError("the vllm engine needs the policy folder on local disk")
-    llm = _vllm_engine(str(policy_dir))
+    llm = _vllm_engine(str(policy_dir), options or EngineOptions(), on_engine)
     params = [
         SamplingParams(
             n=spec.n,
@@ -121,14 +129,50 @@ def generate_vllm(
     return results
 
 
-_VLLM_CACHE: dict[str, Any] = {}
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine settings from the config (``rollout.*``, ``model.dtype``); only vLLM reads them."""
+
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "float32"
 
 
-def _vllm_engine(path: str) -> Any:
-    """One resident vLLM engine per policy folder in this process."""
+def engine_options(config: Any) -> EngineOptions:
+    """The engine settings of an experiment config."""
+    return EngineOptions(config.rollout.gpu_memory_utilization, config.model.dtype)
+
+
+_VLLM: dict[str, Any] = {}  # one engine per process: {"engine", "key", "path"}
+
+
+def _vllm_engine(path: str, options: EngineOptions, on_engine: Callable[[str], None] | None = None) -> Any:
+    """The process's vLLM engine holding policy ``path``.
+
+    Same folder: reused. Another folder of the same architecture and options: its weights
+    are reloaded into the running engine (``collective_rpc``; no new engine, no new CUDA
+    graphs); if that engine cannot reload in place, a new engine is built. ``on_engine``
+    hears "built" or "reloaded". Not yet run on a GPU (no GPU was lent to this project).
+    """
     from vllm import LLM
 
-    if path not in _VLLM_CACHE:
-        _VLLM_CACHE.clear()
-        _VLLM_CACHE[path] = LLM(model=path, seed=0, enforce_eager=True)
-    return _VLLM_CACHE[path]
+    key = (json.dumps(json.loads((Path(path) / "config.json").read_text()), sort_keys=True), options)
+    current = _VLLM.get("engine")
+    if current is not None and _VLLM["path"] == path:
+        return current
+    if current is not None and _VLLM["key"] == key:
+        try:
+            current.collective_rpc("update_config", args=({"model_config": {"model": path}},))
+            current.collective_rpc("reload_weights")
+            _VLLM["path"] = path
+            if on_engine:
+                on_engine("reloaded")
+            return current
+        except Exception as err:  # noqa: BLE001 - an engine without in-place reload is rebuilt
+            log.warning("vLLM engine could not reload weights in place (%s); building a new one", err)
+    _VLLM.clear()
+    engine = LLM(model=path, seed=0, enforce_eager=True, dtype=options.dtype,
+                 gpu_memory_utilization=options.gpu_memory_utilization)
+    _VLLM.update(engine=engine, key=key, path=path)
+    if on_engine:
+        on_engine("built")
+    return engine

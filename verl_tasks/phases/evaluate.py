@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_tasks import data as data_mod
-from verl_tasks.models.engines import SamplingSpec, get_engine
+from verl_tasks.models.engines import SamplingSpec, engine_options, get_engine
 from verl_tasks.phases.common import PhaseContext, derive_seed, load_version, run_unit
 from verl_tasks.phases.prepare import eval_rows
 from verl_tasks.phases.snapshot import retain_after_evaluate
@@ -31,7 +31,8 @@ def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> 
         for start in range(0, len(rows), CHUNK):
             chunk = rows[start : start + CHUNK]
             ids = [tokenizer(data_mod.prompt_text(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for r in chunk]
-            texts.extend(g.text for g in engine(model, tokenizer, ids, spec, policy_dir=folder))
+            texts.extend(g.text for g in engine(model, tokenizer, ids, spec, policy_dir=folder,
+                                                options=engine_options(cfg)))
         requests = [
             {"id": r["id"], "data_source": r["data_source"], "solution_str": t, "ground_truth": r["ground_truth"], "extra_info": r["extra_info"]}
             for r, t in zip(rows, texts)

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from verl_tasks import data as data_mod
-from verl_tasks.models.engines import SamplingSpec, get_engine
+from verl_tasks.events import record_event
+from verl_tasks.models.engines import SamplingSpec, engine_options, get_engine
 from verl_tasks.phases.common import PhaseContext, load_version, require, run_unit
 from verl_tasks.phases.prepare import train_rows
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json
@@ -36,7 +37,10 @@ def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
             seed=spec_batch["seed"],
         )
         ctx.hook("rollout_generate", epoch=epoch, batch=batch)
-        generations = get_engine(cfg.rollout.engine)(model, tokenizer, prompt_ids, spec, policy_dir=folder)
+        generations = get_engine(cfg.rollout.engine)(
+            model, tokenizer, prompt_ids, spec, policy_dir=folder, options=engine_options(cfg),
+            on_engine=lambda how: record_event(ctx.store, ctx.layout, "engine_loaded", how=how, engine=cfg.rollout.engine,
+                                               version=planned["policy_version"], epoch=epoch, batch=batch))
         samples = []
         for gen in generations:
             prompt = prompts[gen.prompt_index]
