@@ -191,3 +191,44 @@ def test_the_store_of_a_dag_the_user_may_not_read_is_never_opened(tmp_path, two_
     assert hidden.store is None and hidden.experiment == "gpu-exp"
     page = render_page(two_dags, two_dags + [hidden], {})
     assert "s3://bucket/runs" not in page and "gpu" not in _shown(page)
+
+
+LINKS_RUNNER = '''
+import json, runpy, sys
+from datetime import datetime, timezone
+from airflow.models import DagRun
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
+from sqlalchemy import select
+dag = runpy.run_path(sys.argv[1])["dag"]
+when = datetime(2026, 1, 1, tzinfo=timezone.utc)
+dag.test(run_after=when, logical_date=when)
+with create_session() as session:
+    rows = session.execute(select(XComModel.key, XComModel.value).where(XComModel.dag_id == dag.dag_id)).all()
+    print("LINKS " + json.dumps({k: v for k, v in rows if k.startswith("_link_")}, default=str))
+'''
+
+
+def test_a_task_run_by_airflow_keeps_its_unit_link(tmp_path):
+    """Through Airflow's task runner (dag.test on a migrated SQLite DB): the links are computed when the task ends."""
+    import json
+
+    from tests.airflow.test_clear_lifts_safe_mode import _airflow_env, _run
+
+    fabricate(tmp_path / "store", "exp-a", 1, 2)
+    path = _yaml(tmp_path, "vt_links", "exp-a", f"file://{tmp_path / 'store'}")
+    dag_file = tmp_path / "dags" / "vt_links.py"
+    dag_file.parent.mkdir()
+    dag_file.write_text(
+        "from datetime import datetime\nfrom airflow.sdk import DAG\n"
+        "from verl_tasks.airflow.operators import VerlPhaseOperator\n"
+        "with DAG('vt_links', schedule=None, start_date=datetime(2025, 1, 1)) as dag:\n"
+        f"    VerlPhaseOperator(task_id='rollout', config_path={str(path)!r}, phase='rollout', epoch=0, batch=1,\n"
+        "                      backend='ray', ray_conn_id=None)\n")
+    env = _airflow_env(tmp_path)
+    _run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env)
+    out = _run([sys.executable, "-c", LINKS_RUNNER, str(dag_file)], env)
+    links = json.loads(next(x for x in out.splitlines() if x.startswith("LINKS "))[len("LINKS "):])
+    assert links["_link_StoreUnitLink"].strip('"') == (
+        "/verl-tasks/unit?dag=vt_links&experiment=exp-a&key=exp-a%2Fepochs%2F00000%2Frollout%2Fb0001"), links
+    assert links["_link_RayJobLink"].strip('"') == "", links  # returned from its marker: no Ray job ran
