@@ -189,7 +189,7 @@ def cluster(tmp_path_factory, moto_endpoint):
 
         hold_dir = tmp / "hold"
         hold_dir.mkdir()
-        # The head's workers (the resident actors) inherit this environment, the fault hooks with it.
+        # The head's workers (the pool actors) inherit this environment, the fault hooks with it.
         mp.setenv("AWS_ACCESS_KEY_ID", AWS_KEY)
         mp.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
         mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
@@ -461,7 +461,7 @@ def test_rollout_worker_sigkilled_mid_batch(cluster):
     assert jobs.pop(prefix + "a2") == "SUCCEEDED", jobs
     assert all(s == "SUCCEEDED" and j.endswith("-a1") for j, s in jobs.items()), jobs
     util.record("rollout_worker_sigkill", recovery_s=round(recovery_s, 1), redone_units=len(redone),
-                recovery="automatic Airflow retry; Ray restarts the resident actor (max_restarts=-1)",
+                recovery="automatic Airflow retry; Ray restarts the pool actor (max_restarts=-1)",
                 redone=redone)
 
 
@@ -503,7 +503,7 @@ def test_ray_head_restarted_during_epoch(cluster):
     assert tries[f"{ROLLOUT}[{batch}]"] >= 2, tries
     util.record("ray_head_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
                 head_down_s=round(head_down_s, 1),
-                recovery="automatic Airflow retries resubmit to the restarted head; the resident actor is recreated",
+                recovery="automatic Airflow retries resubmit to the restarted head; the pool actors are recreated",
                 redone=redone)
 
 
