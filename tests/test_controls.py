@@ -26,7 +26,8 @@ from verl_tasks.layout import Layout
 from verl_tasks.phases.snapshot import apply_retention
 from verl_tasks.runner import make_context, run_phase, status, train
 from verl_tasks.store import open_store
-from verl_tasks.store.conventions import WEIGHTS, read_best, read_skipped
+from verl_tasks.ops.rollback import apply_rollback, plan_rollback
+from verl_tasks.store.conventions import WEIGHTS, forget_best_above, read_best, read_skipped, write_best
 from verl_tasks.store.units import MARKER, is_committed, is_pruned, read_json, read_marker
 
 from .conftest import ROOT, TINY_YAML, small_overrides, write_yaml
@@ -170,6 +171,18 @@ def test_keep_best_set_later_picks_among_the_snapshots_still_there(best_run):
     reward = {v: read_marker(ctx.store, ctx.layout.evaluate(v - 1)).meta["metrics"]["eval_reward_mean"] for v in kept}
     pointer = read_best(ctx.store, ctx.layout)
     assert pointer["metric"] == "eval_reward_mean" and pointer["version"] == max(kept, key=lambda v: (reward[v], -v))
+
+
+def test_rollback_forgets_a_best_snapshot_it_invalidates(best_run):
+    ctx, _ = best_run
+    kept = min(v for v in range(1, EPOCHS) if not is_pruned(ctx.store, ctx.layout.snapshot(v)))  # the old best
+    newest = read_marker(ctx.store, ctx.layout.snapshot(EPOCHS))
+    write_best(ctx.store, ctx.layout, EPOCHS, "eval_accuracy", 1.0, newest)
+    kept_best = read_best(ctx.store, ctx.layout)
+    assert not forget_best_above(ctx.store, ctx.layout, EPOCHS) and read_best(ctx.store, ctx.layout) == kept_best
+    plan = plan_rollback(ctx.store, ctx.layout, kept - 1)
+    apply_rollback(ctx.store, ctx.layout, plan)
+    assert read_best(ctx.store, ctx.layout) is None, "best.json named a rolled-back snapshot"
 
 
 # ---------------------------------------------------------------- skippable batches

@@ -19,7 +19,7 @@ from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.events import record_event
 from verl_tasks.layout import MAX_EPOCH, Layout
 from verl_tasks.store.base import ObjectStore
-from verl_tasks.store.conventions import write_latest
+from verl_tasks.store.conventions import forget_best_above, write_latest
 from verl_tasks.store.units import MARKER, PRUNED, is_pruned, read_marker
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ def apply_rollback(store: ObjectStore, layout: Layout, plan: RollbackPlan) -> st
     # The one place besides the corrupt-snapshot fallback where latest.json moves back, on purpose.
     write_latest(store, layout, plan.latest_version, read_marker(store, layout.snapshot(plan.latest_version)),
                  allow_lower=True)
+    forget_best_above(store, layout, plan.latest_version)
     record_event(store, layout, "rollback", to_epoch=plan.to_epoch, units=len(plan.units), tombstone=tomb)
     log.info("rolled %s back to epoch %d: %d unit(s) tombstoned under %s", layout.experiment, plan.to_epoch,
              len(plan.units), tomb)

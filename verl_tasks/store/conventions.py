@@ -83,6 +83,16 @@ def write_best(store: ObjectStore, layout: Layout, version: int, metric: str, va
     return True
 
 
+def forget_best_above(store: ObjectStore, layout: Layout, version: int) -> bool:
+    """Delete ``best.json`` when it names a snapshot newer than ``version`` (rolled back); the next
+    evaluation's retention points it again. Returns whether it was deleted."""
+    best = read_best(store, layout)
+    if best is None or int(best["version"]) <= version:
+        return False
+    store.delete(layout.best)
+    return True
+
+
 def read_skipped(store: ObjectStore, layout: Layout, epoch: int) -> list[int]:
     """The batches epoch ``epoch`` went on without (its committed ``skipped`` unit), else []."""
     try:
