@@ -192,7 +192,8 @@ class BatchFault(RuntimeError):
     """A reward that fails for good on one batch: every try raises."""
 
 
-SKIPPABLE = {"epochs": 1, "rollout.batches_per_epoch": 4, "rollout.prompts_per_batch": 4, "algorithm.minibatch_size": 32,
+SKIPPABLE = {"epochs": 1, "rollout.batches_per_epoch": 4, "rollout.prompts_per_batch": 4,
+             "algorithm.minibatch_size": 32,
              "evaluate.every": 0, "evaluate.max_prompts": 8, "model.tiny.warm_start_steps": 50,
              "fault_tolerance.retries": 1, "fault_tolerance.retry_delay_s": 0}
 

@@ -277,7 +277,8 @@ class FaultToleranceConfig(Strict):
 
     def may_skip(self, failed: int, batches: int) -> bool:
         """Whether an epoch of ``batches`` batches may go on without ``failed`` of them."""
-        return self.min_committed_batch_fraction < 1 and (batches - failed) >= self.min_committed_batch_fraction * batches
+        fraction = self.min_committed_batch_fraction
+        return fraction < 1 and batches - failed >= fraction * batches
 
     @field_validator("timeout_s")
     @classmethod

@@ -153,8 +153,8 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
             out = Path(tmp)
             if workers > 1:
                 log.info("update of epoch %d on %d data-parallel workers", epoch, workers)
-                totals, steps, hyper = _train_workers(ctx, epoch, folder, optimizer_path, inputs, planned["update_seed"],
-                                                      out, first_step)
+                totals, steps, hyper = _train_workers(ctx, epoch, folder, optimizer_path, inputs,
+                                                      planned["update_seed"], out, first_step)
             else:
                 totals, steps, hyper = _train_here(ctx, epoch, model, tokenizer, optimizer_path, inputs,
                                                    planned["update_seed"], out, first_step)
