@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +24,6 @@ from verl_tasks.layout import Layout
 from verl_tasks.phase_registry import BATCHED, PHASE_NAMES, PHASES
 from verl_tasks.store.base import NotFound, ObjectStore
 from verl_tasks.store.units import MARKER
-
-log = logging.getLogger(__name__)
 
 EVENTS_SHOWN = 50
 MAX_EVENTS_READ = 20_000

@@ -7,13 +7,10 @@ dashboard named by the operator's Ray connection (empty for inline tasks or befo
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 from urllib.parse import urlencode
 
 from airflow.sdk import BaseOperatorLink
-
-log = logging.getLogger(__name__)
 
 DASHBOARD = "/verl-tasks"
 
