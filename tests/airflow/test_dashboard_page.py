@@ -232,3 +232,27 @@ def test_a_task_run_by_airflow_keeps_its_unit_link(tmp_path):
     assert links["_link_StoreUnitLink"].strip('"') == (
         "/verl-tasks/unit?dag=vt_links&experiment=exp-a&key=exp-a%2Fepochs%2F00000%2Frollout%2Fb0001"), links
     assert links["_link_RayJobLink"].strip('"') == "", links  # returned from its marker: no Ray job ran
+
+
+def test_snapshot_verification_comes_from_loads_maintenance_and_quarantine(tmp_path):
+    from verl_tasks.airflow.dashboard import experiment_view
+    from verl_tasks.events import record_event
+    from verl_tasks.layout import Layout
+    from verl_tasks.store.units import quarantine
+
+    fabricate(tmp_path / "s", "exp-a", 4, 2)
+    source, = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")))
+    layout = Layout("exp-a")
+    record_event(source.store, layout, "policy_loaded", version=1, how="loaded", device="cpu")
+    record_event(source.store, layout, "maintenance", problems=[], gc_deleted_keys=0,
+                 verified=[{"version": 2, "state": "OK", "problems": []},
+                           {"version": 3, "state": "FAILED", "problems": ["model.safetensors: sha256 differs"]}])
+    quarantine(source.store, layout.snapshot(4), "weights hash differs")
+    cfg = source.config("exp-a").model_copy(update={"epochs": 4})
+    rows = {s["version"]: s for s in experiment_view(cfg, source.store)["snapshots"]}
+    assert rows[1]["ok"] and rows[1]["verification"].startswith("hashes verified when loaded (loaded)")
+    assert rows[2]["ok"] and rows[2]["verification"].startswith("verified by maintenance (hashes, forward pass)")
+    assert not rows[3]["ok"] and "model.safetensors: sha256 differs" in rows[3]["verification"]
+    assert not rows[4]["ok"] and rows[4]["verification"] == "failed verification: weights hash differs"
+    assert rows[4]["state"] == "absent"  # its marker moved aside: recomputed by the next run
+    assert all(s["bytes"] == 2 << 20 for s in rows.values())

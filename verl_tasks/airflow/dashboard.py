@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +39,6 @@ CURVES = (
     ("actor/grad_norm", "grad norm"),
 )
 UNIT_EVENTS = ("started", "failed", "committed", "lost_race", "skipped")
-# Events that prove a snapshot's files matched their manifest when they were recorded.
-VERIFYING_EVENTS = ("policy_loaded",)
 
 SVGS_KEPT = 32
 _SVG_CACHE: OrderedDict[str, str] = OrderedDict()
@@ -163,29 +162,52 @@ def _cell(unit: str, state: str, seen: UnitCell | None) -> UnitCell:
     return UnitCell(state, seen.attempts, seen.failures, seen.duration_s, unit)
 
 
+def _when(event: dict[str, Any]) -> str:
+    stamp = _number(event.get("time"))
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(stamp)) if stamp is not None else "?"
+
+
+def _checks(events: list[dict[str, Any]]) -> dict[int, tuple[bool, str]]:
+    """Snapshot version -> (ok, what) of its newest check: a policy load (hashes) or the maintenance DAG."""
+    checks: dict[int, tuple[bool, str]] = {}
+    for event in events:
+        if event.get("kind") == "policy_loaded" and isinstance(event.get("version"), int):
+            checks[event["version"]] = (True, f"hashes verified when loaded ({event.get('how', 'load')}), "
+                                              f"{_when(event)}")
+        elif event.get("kind") == "maintenance" and isinstance(event.get("verified"), list):
+            for verdict in event["verified"]:
+                if isinstance(verdict, dict) and isinstance(verdict.get("version"), int):
+                    problems = "; ".join(map(str, verdict.get("problems") or []))
+                    checks[verdict["version"]] = (
+                        (True, f"verified by maintenance (hashes, forward pass), {_when(event)}") if not problems
+                        else (False, f"maintenance {_when(event)}: {problems}"))
+    return checks
+
+
 def _snapshots(layout: Layout, rows: list[dict[str, Any]], events: list[dict[str, Any]],
                quarantined: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each snapshot version the grid knows: state, size (from its commit event) and verification."""
     sizes = {e.get("unit"): e.get("bytes") for e in events if e.get("kind") == "committed"}
-    verified = {e.get("version"): e for e in events if e.get("kind") in VERIFYING_EVENTS}
+    checks = _checks(events)
     bad = {q["unit"]: q for q in quarantined if not q["recovered"]}
     out = []
     for row in rows:
         version = row["epoch"] + 1
         unit = layout.snapshot(version)
         state = row["phases"]["snapshot"]
+        ok = True
         if unit in bad:
-            check = f"failed verification: {bad[unit]['reason']}"
+            ok, check = False, f"failed verification: {bad[unit]['reason']}"
         elif state == "pruned":
             check = "weights pruned by retention"
-        elif version in verified:
-            check = f"hashes verified when loaded ({verified[version].get('how', 'load')})"
+        elif version in checks:
+            ok, check = checks[version]
         elif state == "committed":
-            check = "committed; not loaded since"
+            check = "committed; not verified since"
         else:
             continue
         out.append({"version": version, "unit": unit, "state": state, "bytes": sizes.get(unit),
-                    "verification": check, "ok": unit not in bad})
+                    "verification": check, "ok": ok})
     return out
 
 
