@@ -256,3 +256,22 @@ def test_snapshot_verification_comes_from_loads_maintenance_and_quarantine(tmp_p
     assert not rows[4]["ok"] and rows[4]["verification"] == "failed verification: weights hash differs"
     assert rows[4]["state"] == "absent"  # its marker moved aside: recomputed by the next run
     assert all(s["bytes"] == 2 << 20 for s in rows.values())
+
+
+def test_an_s3_endpoint_that_is_down_is_one_line_within_seconds(tmp_path, two_dags):
+    import socket
+    import time
+
+    from verl_tasks.airflow.plugin import render_page
+
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    down = _sources(("down", _yaml(tmp_path, "down", "down-exp", "s3://bucket/runs",
+                                   endpoint_url=f"http://127.0.0.1:{port}")))
+    started = time.monotonic()
+    page = render_page(two_dags + down, two_dags + down, {})
+    assert time.monotonic() - started < 15
+    notices = [line for line in page.splitlines() if 'class="notice"' in line and "s3://bucket/runs" in line]
+    assert len(notices) == 1 and "(EndpointConnectionError" in notices[0], notices
+    assert sorted(_shown(page)) == ["exp-a", "exp-b", "renamed-run"]

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 PREFIX = "/verl-tasks"
 SECTIONS_SHOWN = 6  # full sections on the overview; the rest are links
 RUNS_SCANNED = 2000  # newest DAG runs whose trigger form names an experiment
+# A page waits seconds, not minutes, for an S3 endpoint that is down (training keeps its patient client).
+PAGE_S3_OPTIONS = {"max_attempts": 2, "connect_timeout": 3, "read_timeout": 20}
 
 
 def experiments_dir() -> Path:
@@ -90,7 +92,7 @@ def open_source(dag_id: str, path: Path) -> Source:
         source.store = open_store(
             s.uri, endpoint_url=s.endpoint_url or (access and access.endpoint_url),
             region=s.region or (access and access.region), sse=s.sse, sse_kms_key_id=s.sse_kms_key_id,
-            credentials=access and access.credentials)
+            credentials=access and access.credentials, s3_options=PAGE_S3_OPTIONS)
     except Exception as err:  # noqa: BLE001 - one broken YAML must not hide the others
         source.error = f"{path.name}: {type(err).__name__}: {err}"
     return source

@@ -24,11 +24,13 @@ def open_store(
     sse: str = "none",
     sse_kms_key_id: str | None = None,
     credentials: dict[str, str] | None = None,
+    s3_options: dict[str, float] | None = None,
 ) -> ObjectStore:
     """A store for ``file://PATH`` (relative paths from the working directory) or ``s3://BUCKET/PREFIX``.
 
     For S3 the endpoint falls back to ``VERL_TASKS_S3_ENDPOINT`` / ``AWS_ENDPOINT_URL_S3``;
-    credentials to boto3's default chain.
+    credentials to boto3's default chain. ``s3_options`` tunes the client (``max_attempts``,
+    ``connect_timeout``, ``read_timeout``): a web page gives up sooner than training does.
     """
     if uri.startswith("file://"):
         return LocalStore(uri[len("file://") :] or ".")
@@ -45,6 +47,7 @@ def open_store(
             sse=sse,
             sse_kms_key_id=sse_kms_key_id,
             credentials=credentials,
+            **(s3_options or {}),
         )
     raise ValueError(f"unsupported store URI {uri!r}: use file://PATH or s3://BUCKET/PREFIX")
 
