@@ -150,6 +150,14 @@ def test_team_viewer_sees_only_the_dags_it_may_read(api_server, user, dag_id):
     assert requests.get(f"{base}/verl-tasks/", params={"dag": other}, cookies=cookies, timeout=60).status_code == 403
     named = requests.get(f"{base}/verl-tasks/", params={"dag": other, "experiment": "x"}, cookies=cookies, timeout=60)
     assert named.status_code == 403
+    mine, theirs = dag_id.replace("_", "-"), other.replace("_", "-")
+    unit = requests.get(f"{base}/verl-tasks/unit", cookies=cookies, timeout=60,
+                        params={"dag": dag_id, "experiment": mine, "key": f"{mine}/epochs/00000/plan"})
+    assert unit.status_code == 200 and "not committed" in unit.text, unit.text[-2000:]
+    assert requests.get(f"{base}/verl-tasks/unit", cookies=cookies, timeout=60, params={
+        "dag": other, "experiment": theirs, "key": f"{theirs}/epochs/00000/plan"}).status_code == 403
+    assert requests.get(f"{base}/verl-tasks/unit", cookies=cookies, timeout=60, params={
+        "dag": dag_id, "experiment": theirs, "key": f"{theirs}/epochs/00000/plan"}).status_code == 404
 
 
 def test_render_lists_each_prefix_once_and_reads_each_event_once(tmp_path):
