@@ -275,3 +275,14 @@ def test_an_s3_endpoint_that_is_down_is_one_line_within_seconds(tmp_path, two_da
     notices = [line for line in page.splitlines() if 'class="notice"' in line and "s3://bucket/runs" in line]
     assert len(notices) == 1 and "(EndpointConnectionError" in notices[0], notices
     assert sorted(_shown(page)) == ["exp-a", "exp-b", "renamed-run"]
+
+
+def test_a_scheduled_child_belongs_to_its_dag_in_a_shared_store(tmp_path):
+    from verl_tasks.airflow.plugin import render_page
+
+    store = f"file://{tmp_path / 'shared'}"
+    for name in ("exp-a", "exp-b", "exp-a-20260101T000000"):
+        fabricate(tmp_path / "shared", name, 1, 2)
+    a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)), ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
+    assert sorted(_shown(render_page([a], [a, b], {}))) == ["exp-a", "exp-a-20260101T000000"]
+    assert _shown(render_page([b], [a, b], {})) == ["exp-b"]

@@ -139,6 +139,7 @@ def owner(name: str, source: Source, sources: list[Source], named: dict[str, str
     """Whether experiment ``name`` found in ``source``'s store belongs to ``source``'s DAG."""
     if name == source.experiment or named.get(name) == source.dag_id:
         return True
+    # A scheduled run's experiment: ``<experiment>-%Y%m%dT%H%M%S`` (runconfig.scheduled_name, run_stamp).
     stamp = name[len(source.experiment) + 1:] if name.startswith(source.experiment + "-") else ""
     if len(stamp) == 15 and stamp[8] == "T" and stamp.replace("T", "").isdigit():
         return True
