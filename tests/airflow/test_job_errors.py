@@ -154,3 +154,12 @@ def test_a_bad_trigger_form_fails_a_phase_task_without_retries(tmp_path, monkeyp
     with pytest.raises(AirflowFailException, match="task plan: ConfigError") as failed:
         op.execute(bad)
     assert isinstance(failed.value.__cause__, ConfigError)
+
+
+def test_job_logs_shown_in_airflow_carry_no_config_blob():
+    """The job's entrypoint line names the config by its length, not as hundreds of base64 characters."""
+    from verl_tasks.execution.ray_jobs import log_tail, redact_config
+
+    line = "Running entrypoint for job vt-x-e0-plan-a1: python -m verl_tasks.execution.entry --config-b64 " + "eyJ" * 200 + " --phase plan"
+    assert redact_config(line).endswith("--config-b64 <config, 600 chars> --phase plan")
+    assert "eyJeyJ" not in log_tail("first\n" + line)

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from verl_tasks.execution.outcome import parse_result
-from verl_tasks.execution.ray_jobs import DEFAULT_RETRY_S, TERMINAL, Backoff, is_transient, log_tail
+from verl_tasks.execution.ray_jobs import DEFAULT_RETRY_S, TERMINAL, Backoff, is_transient, log_tail, redact_config
 
 UNREACHABLE = "UNREACHABLE"
 
@@ -61,7 +61,7 @@ class RayJobTrigger(BaseTrigger):
         """Log the part of ``text`` after ``shown`` characters; return the new count."""
         for line in text[shown:].splitlines():
             if line.strip():
-                self.log.info("[%s] %s", self.submission_id, line[:2000])
+                self.log.info("[%s] %s", self.submission_id, redact_config(line)[:2000])
         return max(shown, len(text))
 
     async def run(self) -> AsyncIterator[TriggerEvent]:

@@ -402,8 +402,17 @@ def public_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+_CONFIG_ARG = re.compile(r"(--config-b64\s+)(\S+)")
+
+
+def redact_config(line: str) -> str:
+    """A job log line with the entrypoint's base64 config replaced by its length (it is in the YAML)."""
+    return _CONFIG_ARG.sub(lambda m: f"{m.group(1)}<config, {len(m.group(2))} chars>", line)
+
+
 def log_tail(text: str, lines: int = 40) -> str:
-    return "\n".join((text or "").splitlines()[-lines:])
+    return "\n".join(redact_config(line) for line in (text or "").splitlines()[-lines:])
 
 
-__all__ = ["RayJobBackend", "RayTarget", "JobHandle", "RayUnavailable", "submission_id", "read_token", "log_tail"]
+__all__ = ["RayJobBackend", "RayTarget", "JobHandle", "RayUnavailable", "submission_id", "read_token", "log_tail",
+           "redact_config"]
