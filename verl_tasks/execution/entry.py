@@ -83,16 +83,17 @@ def _run_on_pool(config, spec: UnitSpec) -> dict:
 
     pools.ensure_connected()
     attempt = new_attempt_id()
-    ref, actor = pools.submit(config, spec, attempt)
+    running: list = []
 
     def cancel(signum: int, _frame: object) -> None:
-        pools.cancel_unit(config, spec, attempt, actor, f"job stopped (signal {signum})")
+        if running:
+            pools.cancel_unit(config, spec, attempt, running[-1], f"job stopped (signal {signum})")
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, cancel)
     signal.signal(signal.SIGINT, cancel)
     timeout_s = config.fault_tolerance.timeout_s.get(spec.phase)
-    return pools.wait(config, spec, attempt, ref, actor, timeout_s)
+    return pools.run_unit(config, spec, attempt, timeout_s, on_submit=running.append)
 
 
 def _report(result: dict) -> int:

@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ray
 
@@ -49,6 +49,8 @@ PREFIX = "vt:"  # ":" never occurs in an experiment name, so prefixes never over
 LIGHT = ("plan", "validate", "snapshot")
 STATE_WAIT_S = 0.2
 STATE_POLL_S = 0.5
+ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+RESENDS = 5
 
 
 def pool_kind(phase: str) -> str:
@@ -226,7 +228,13 @@ def pick_actor(actors: list[Any], batch: int | None) -> int:
     order = [(preferred + i) % len(actors) for i in range(len(actors))]
     refs = {actors[i].state.remote(): i for i in order}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=STATE_WAIT_S)
-    idle = {refs[ref] for ref in ready if ray.get(ref)["busy"] is None}
+    idle = set()
+    for ref in ready:
+        try:
+            if ray.get(ref)["busy"] is None:
+                idle.add(refs[ref])
+        except ACTOR_GONE:  # restarting or being placed: not idle now
+            continue
     return next((i for i in order if i in idle), preferred)
 
 
@@ -254,8 +262,29 @@ def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = 
     Past ``timeout_s`` the attempt is fenced (it can never commit) and the actor is killed
     (Ray restarts it empty), then :class:`verl_tasks.errors.UnitTimeout` is raised.
     """
-    ref, actor = submit(config, spec, attempt)
-    return wait(config, spec, attempt, ref, actor, timeout_s)
+    return run_unit(config, spec, attempt, timeout_s)
+
+
+def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, timeout_s: float | None,
+             on_submit: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Submit and wait; a call that reached an actor while Ray restarted it is sent again.
+
+    Ray fails such a call at once ("temporarily unavailable"); sending the same attempt
+    again is safe: a unit that did commit is skipped, one that did not is redone to the
+    same bytes. ``on_submit`` hears each actor the unit is sent to (to cancel it there).
+    """
+    for resend in range(RESENDS + 1):
+        ref, actor = submit(config, spec, attempt)
+        if on_submit:
+            on_submit(actor)
+        try:
+            return wait(config, spec, attempt, ref, actor, timeout_s)
+        except ray.exceptions.ActorUnavailableError:
+            if resend == RESENDS:
+                raise
+            log.info("%s reached its worker while Ray restarted it; sending it again", spec.label)
+            time.sleep(STATE_POLL_S * (resend + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
@@ -279,7 +308,7 @@ def _wait_started(ref: Any, actor: Any, attempt: str | None) -> float:
             return time.time()
         try:
             busy = ray.get(actor.state.remote(), timeout=STATE_POLL_S * 10)["busy"]
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
             continue  # still being placed or restarted: queued, not running
         if busy and busy.get("attempt") == attempt:
             return float(busy["since"])
@@ -288,40 +317,70 @@ def _wait_started(ref: Any, actor: Any, attempt: str | None) -> float:
 def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) -> Iterator[int | None]:
     """A unit runner for :func:`verl_tasks.runner.train`: a phase's units at once on its pool.
 
-    Yields each batch as its unit commits. Raises the unit's typed error (see ``outcome``)
-    on the first failure, after the phase's other units have finished.
+    Yields each batch as its unit commits. A unit that fails transiently (its worker died, a
+    timeout, a phase error) is tried ``1 + fault_tolerance.retries`` times, each a new attempt,
+    as Airflow would; deterministic errors (``outcome.DETERMINISTIC``) are not retried. Then,
+    as inline, a batched unit may be left out when ``min_committed_batch_fraction`` < 1 (the
+    epoch's validate decides); otherwise the first failure is raised after the others finish.
     """
-    from verl_tasks.execution.outcome import describe, error_from_result
+    from verl_tasks.execution.outcome import describe, error_from_result, is_deterministic
     from verl_tasks.errors import PhaseFailed
+    from verl_tasks.phase_registry import phase as phase_spec
     from verl_tasks.store.units import new_attempt_id
 
     config = ctx.config
-    timeout_s = config.fault_tolerance.timeout_s.get(phase)
-    started = time.monotonic()
-    pending: dict[Any, tuple[UnitSpec, str, Any]] = {}
-    for batch in batches:
+    ft = config.fault_tolerance
+    tolerant = phase_spec(phase).batched and ft.min_committed_batch_fraction < 1
+    pending: dict[Any, tuple[UnitSpec, str, Any, int]] = {}
+
+    def launch(batch: int | None, tries: int) -> None:
         spec = UnitSpec(config.experiment, phase, epoch, batch)
         attempt = new_attempt_id()
         ref, actor = submit(config, spec, attempt)
-        pending[ref] = (spec, attempt, actor)
+        pending[ref] = (spec, attempt, actor, tries)
+
+    for batch in batches:
+        launch(batch, 1)
     failure: Exception | None = None
+    timeout_s = ft.timeout_s.get(phase)
     while pending:
-        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-        if not ready:  # every unit still running is past the phase's timeout
-            for spec, attempt, actor in pending.values():
-                failure = failure or _timed_out(config, spec, attempt, actor, timeout_s)
-            break
-        spec, _attempt, _actor = pending.pop(ready[0])
-        result = ray.get(ready[0])
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if timeout_s is None else STATE_POLL_S * 2)
+        if not ready:
+            _cancel_overdue(config, pending, timeout_s)
+            continue
+        spec, attempt, actor, tries = pending.pop(ready[0])
+        try:
+            result = ray.get(ready[0])
+        except ACTOR_GONE as err:
+            result = {"ok": False, "error": f"worker of {spec.label} died or was cancelled: {type(err).__name__}"}
         for line in result.get("log", []):
             log.debug("[%s] %s", spec.label, line)
         if result.get("ok"):
             yield spec.batch
+            continue
+        error = error_from_result(result) or PhaseFailed(spec.label, describe(result))
+        if not is_deterministic(error) and tries <= ft.retries:
+            log.warning("%s failed (try %d of %d): %s; retrying as a new attempt", spec.label, tries,
+                        1 + ft.retries, error)
+            time.sleep(ft.retry_delay_s)
+            launch(spec.batch, tries + 1)
+        elif tolerant and not is_deterministic(error):
+            log.warning("%s failed all its tries; validate decides whether the epoch goes on without it", spec.label)
         elif failure is None:
-            failure = error_from_result(result) or PhaseFailed(spec.label, describe(result))
+            failure = error
     if failure is not None:
         raise failure
+
+
+def _cancel_overdue(config: ExperimentConfig, pending: dict[Any, tuple], timeout_s: float) -> None:
+    """Cancel every pending unit that has run (not queued) longer than ``timeout_s``."""
+    for spec, attempt, actor, _tries in list(pending.values()):
+        try:
+            busy = ray.get(actor.state.remote(), timeout=STATE_POLL_S * 10)["busy"]
+        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
+            continue
+        if busy and busy.get("attempt") == attempt and time.time() - float(busy["since"]) > timeout_s:
+            cancel_unit(config, spec, attempt, actor, f"timed out after {timeout_s:g} s")
 
 
 def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any, reason: str) -> str:
@@ -338,5 +397,5 @@ def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, a
     return unit
 
 
-__all__ = ["PoolShape", "PoolWorker", "dispatch", "submit", "wait", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
+__all__ = ["PoolShape", "PoolWorker", "dispatch", "submit", "wait", "run_unit", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
            "NAMESPACE"]
