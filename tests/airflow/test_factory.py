@@ -53,9 +53,11 @@ def test_params_schema():
     raw = yaml.safe_load(TINY.read_text())
     assert params["lr"] == raw["algorithm"]["lr"] and params["group_size"] == raw["algorithm"]["group_size"]
     assert params["experiment"] == raw["experiment"]
-    with pytest.raises(Exception):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError):
         params.get_param("experiment").resolve("bad name/..")
-    with pytest.raises(Exception):
+    with pytest.raises(ParamValidationError):
         params.get_param("epochs").resolve(99)
 
 

@@ -56,7 +56,7 @@ def test_submission_ids_are_deterministic():
 
 
 def test_without_token_the_head_refuses(ray_head):
-    with pytest.raises((RayUnavailable, RuntimeError, Exception)):
+    with pytest.raises(RayUnavailable, match="token"):
         RayJobBackend(RayTarget(ray_head.address, None)).client.list_jobs()
 
 
