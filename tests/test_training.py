@@ -17,7 +17,7 @@ from verl_tasks.events import read_events
 from verl_tasks.runner import make_context, status, train
 from verl_tasks.store.units import read_marker
 
-from .conftest import ROOT, TINY_YAML, small_overrides, write_yaml
+from .conftest import ROOT, small_overrides, write_yaml
 
 
 def test_two_runs_give_identical_weights_and_rerun_computes_nothing(tiny_config, tmp_path):

@@ -27,7 +27,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter
 from contextlib import ExitStack

@@ -98,7 +98,6 @@ def test_03_zombie_and_retry_race(reference, tmp_path):
             retry.join()
 
     ctx.hooks["before_commit"] = hook
-    started = time.monotonic()
     train(ctx, util.EPOCHS)
     races = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "lost_race"]
     assert [e["unit"] for e in races] == [unit]

@@ -101,7 +101,7 @@ def generate_vllm(
     """vLLM generation from the policy folder, one seed per request (prompt)."""
     del model
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
     except ImportError as err:
         raise ConfigError("rollout.engine 'vllm' needs the extra: pip install 'verl-tasks[vllm]' on a GPU node") from err
