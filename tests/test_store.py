@@ -270,3 +270,17 @@ def test_s3_access_denied_is_one_line_naming_the_fix(moto_endpoint, s3_bucket, m
         assert "\n" not in message and "S3 refused access" in message
         assert "InvalidAccessKeyId" in message or "403" in message
         assert f"bucket {s3_bucket}" in message and "storage.aws_conn_id" in message
+
+
+def test_gc_removes_fence_records_past_the_horizon_only(store):
+    """A fence refuses a cancelled attempt's late commit; once older than gc's horizon it is garbage."""
+    from verl_tasks.store.units import fence_attempt
+
+    layout = Layout("exp")
+    unit = layout.rollout(0, 0)
+    fence_attempt(store, unit, "20261130T000000-aaaaaaaaaa", "cleared in the UI")
+    fenced = [k for k in store.list(unit + "/") if "/.fenced/" in k]
+    assert len(fenced) == 1
+    assert collect(store, layout, older_than_s=3600).fence_records == []  # young: kept
+    report = collect(store, layout, older_than_s=3600, now=time.time() + 7200)
+    assert report.fence_records == fenced and not [k for k in store.list(unit + "/") if "/.fenced/" in k]

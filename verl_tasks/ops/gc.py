@@ -21,7 +21,7 @@ from verl_tasks.layout import Layout
 from verl_tasks.ops.rollback import tombstone_units
 from verl_tasks.store.base import ObjectStore
 from verl_tasks.store.conventions import quarantine_records
-from verl_tasks.store.units import ATTEMPTS, IDLE_MARGIN_S, garbage_attempts, stamp_time
+from verl_tasks.store.units import ATTEMPTS, FENCED, IDLE_MARGIN_S, garbage_attempts, stamp_time
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,14 @@ class GcReport:
     tombstones: list[str] = field(default_factory=list)
     quarantine_records: list[str] = field(default_factory=list)
     temp_files: list[str] = field(default_factory=list)
+    fence_records: list[str] = field(default_factory=list)
     kept_recent: int = 0
     deleted_keys: int = 0
 
     def lines(self) -> list[str]:
         return ([f"attempt    {p}" for p in self.attempts] + [f"tombstone  {p}" for p in self.tombstones]
-                + [f"quarantine {k}" for k in self.quarantine_records] + [f"temp file  {k}" for k in self.temp_files])
+                + [f"quarantine {k}" for k in self.quarantine_records] + [f"temp file  {k}" for k in self.temp_files]
+                + [f"fence      {k}" for k in self.fence_records])
 
 
 def collect(store: ObjectStore, layout: Layout, older_than_s: float, dry_run: bool = False,
@@ -99,15 +101,19 @@ def collect(store: ObjectStore, layout: Layout, older_than_s: float, dry_run: bo
             continue
         report.attempts.append(prefix)
     report.temp_files = sorted(k for k, mtime in store.temp_files(layout.root + "/").items() if now - mtime > margin_s)
+    # A fence outlives its attempt only to refuse a late commit; past the horizon that attempt is long dead.
+    report.fence_records = sorted(k for k, mtime in store.list_modified(layout.root + "/epochs/").items()
+                                  if f"/{FENCED}/" in k and mtime <= cutoff)
     if not dry_run:
         for prefix in report.attempts + report.tombstones:
             report.deleted_keys += store.delete_prefix(prefix)
-        for key in report.quarantine_records + report.temp_files:
+        for key in report.quarantine_records + report.temp_files + report.fence_records:
             store.delete(key)
             report.deleted_keys += 1
         if report.deleted_keys:
             record_event(store, layout, "gc", attempts=len(report.attempts), tombstones=len(report.tombstones),
                          quarantine_records=len(report.quarantine_records), temp_files=len(report.temp_files),
+                         fence_records=len(report.fence_records),
                          deleted_keys=report.deleted_keys)
     log.info("gc %s: %d attempt folder(s), %d tombstone(s), %d quarantine record(s), %d temp file(s)%s",
              layout.experiment, len(report.attempts), len(report.tombstones), len(report.quarantine_records),
