@@ -83,8 +83,9 @@ def run(
         run_units = run_in_process
         if backend == "ray":
             from verl_tasks.execution.cli_cluster import connect
+            from verl_tasks.store import absolute_uri
 
-            cfg.storage.uri = _absolute_uri(cfg.storage.uri)  # the workers' working folder is not ours
+            cfg.storage.uri = absolute_uri(cfg.storage.uri, Path.cwd())  # the workers' working folder is not ours
             run_units = connect(stack, cfg, ray_address, console)
         ctx = make_context(cfg)
         if resume_from:
@@ -118,12 +119,6 @@ def run(
         _fail(err)
     finally:
         stack.close()
-
-
-def _absolute_uri(uri: str) -> str:
-    if uri.startswith("file://") and not uri.startswith("file:///"):
-        return "file://" + str(Path(uri[len("file://"):]).resolve())
-    return uri
 
 
 def _start_from(ctx, source: str) -> None:

@@ -94,12 +94,12 @@ class MaintainStoreOperator(BaseOperator):
 
     def open(self):
         from verl_tasks.airflow.connections import s3_access
-        from verl_tasks.airflow.runconfig import _absolute_store  # file:// paths resolved as the experiments' are
+        from verl_tasks.store import absolute_uri  # file:// paths resolved as the experiments' are
         from verl_tasks.store import open_store
 
         spec = self.store_spec
         access = s3_access(spec["aws_conn_id"])
-        return open_store(_absolute_store(spec["uri"]), endpoint_url=spec["endpoint_url"] or access.endpoint_url,
+        return open_store(absolute_uri(spec["uri"]), endpoint_url=spec["endpoint_url"] or access.endpoint_url,
                           region=spec["region"] or access.region, credentials=access.credentials)
 
     def execute(self, context: Any) -> dict[str, Any]:

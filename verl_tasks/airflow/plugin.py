@@ -77,14 +77,15 @@ class Source:
 
 def open_source(dag_id: str, path: Path) -> Source:
     """Read the YAML and open its store with the YAML's ``storage.aws_conn_id`` (as the tasks do)."""
-    from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
+    from verl_tasks.airflow.runconfig import read_yaml
+    from verl_tasks.store import absolute_uri
     from verl_tasks.config import parse_config
     from verl_tasks.store import open_store
 
     source = Source(dag_id, path)
     try:
         source.raw = read_yaml(path)
-        source.store_uri = _absolute_store((source.raw.get("storage") or {}).get("uri", "file://.store"))
+        source.store_uri = absolute_uri((source.raw.get("storage") or {}).get("uri", "file://.store"))
         cfg = parse_config(source.raw, {"storage.uri": source.store_uri})
         source.experiment = cfg.experiment
         s = cfg.storage
@@ -274,13 +275,14 @@ def _readable_sources(user, dag: str | None) -> tuple[list[Source], list[Source]
 
 def _unopened(dag_id: str, path: Path) -> Source:
     """A YAML the user may not read: only its experiment name and store URI (to attribute names); no store."""
-    from verl_tasks.airflow.runconfig import _absolute_store, read_yaml
+    from verl_tasks.airflow.runconfig import read_yaml
+    from verl_tasks.store import absolute_uri
 
     source = Source(dag_id, path)
     try:
         raw = read_yaml(path)
         source.experiment = str(raw.get("experiment", ""))
-        source.store_uri = _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))
+        source.store_uri = absolute_uri((raw.get("storage") or {}).get("uri", "file://.store"))
     except Exception as err:  # noqa: BLE001 - unreadable YAML: it claims nothing
         source.error = str(err)
     return source

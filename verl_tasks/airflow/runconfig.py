@@ -6,7 +6,6 @@ through XCom. The ``configure`` task validates it, before any compute.
 """
 from __future__ import annotations
 
-import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import yaml
 
 from verl_tasks.config import TRIGGER_OVERRIDABLE, ExperimentConfig, check_name, flatten, parse_config
 from verl_tasks.errors import ConfigError
+from verl_tasks.store import absolute_uri
 
 # Trigger-form fields that are hyperparameters -> dotted config keys.
 HYPERPARAMETERS = {
@@ -34,14 +34,6 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return raw
-
-
-def _absolute_store(uri: str) -> str:
-    """``file://.store`` -> ``file:///abs/.store`` (resolved here, so a Ray job's cwd does not matter)."""
-    if uri.startswith("file://") and not uri.startswith("file:///"):
-        root = Path(os.environ.get("VERL_TASKS_STORE_ROOT", os.getcwd()))
-        return "file://" + str((root / uri[len("file://"):]).resolve())
-    return uri
 
 
 def run_type_of(dag_run: Any) -> str:
@@ -114,7 +106,7 @@ def resolve(yaml_path: str | Path, params: dict[str, Any] | None, dag_run: Any =
     raw = read_yaml(yaml_path)
     overrides = overrides_from(params, yaml_path)
     overrides["experiment"] = experiment_name(raw, params, dag_run)
-    overrides["storage.uri"] = _absolute_store((raw.get("storage") or {}).get("uri", "file://.store"))
+    overrides["storage.uri"] = absolute_uri((raw.get("storage") or {}).get("uri", "file://.store"))
     if endpoint_url and not (raw.get("storage") or {}).get("endpoint_url"):
         overrides["storage.endpoint_url"] = endpoint_url
     cfg = parse_config(raw, overrides)

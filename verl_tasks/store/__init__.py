@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
@@ -12,8 +13,18 @@ from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from verl_tasks.config import ExperimentConfig
 
-__all__ = ["NotFound", "ObjectStore", "LocalStore", "CommitRecord", "UnitWriter", "read_marker", "check_key",
+__all__ = ["absolute_uri", "NotFound", "ObjectStore", "LocalStore", "CommitRecord", "UnitWriter", "read_marker", "check_key",
            "open_store", "store_for"]
+
+
+def absolute_uri(uri: str, root: str | os.PathLike | None = None) -> str:
+    """``file://.store`` -> ``file:///abs/.store``, resolved against ``root`` (default
+    ``VERL_TASKS_STORE_ROOT``, else the working folder), so a worker's own cwd does not matter.
+    Other URIs are returned unchanged."""
+    if uri.startswith("file://") and not uri.startswith("file:///"):
+        base = Path(root if root is not None else os.environ.get("VERL_TASKS_STORE_ROOT", os.getcwd()))
+        return "file://" + str((base / uri[len("file://"):]).resolve())
+    return uri
 
 
 def open_store(
