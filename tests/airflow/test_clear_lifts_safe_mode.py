@@ -10,9 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-import yaml
-
-from tests.conftest import TINY_YAML, small_overrides
+from tests.conftest import small_overrides, write_yaml
 
 DAG_ID = "clear_lift"
 RUNNER = textwrap.dedent('''
@@ -55,6 +53,20 @@ def _airflow_env(tmp_path) -> dict[str, str]:
             "AIRFLOW__CORE__UNIT_TEST_MODE": "True", "VERL_TASKS_AIRFLOW_API_CONN": "verl_airflow_api_absent"}
 
 
+def prepare_dag_test(tmp_path, config, dag_id: str, runner_source: str):
+    """A dags folder holding one inline DAG built from ``config``, a runner script, a migrated
+    SQLite Airflow home; returns (dag file, runner script, environment)."""
+    (tmp_path / "dags").mkdir()
+    dag_file = tmp_path / "dags" / f"{dag_id}.py"
+    dag_file.write_text("from verl_tasks.airflow.factory import build_dag\n"
+                        f"dag = build_dag({str(config)!r}, dag_id={dag_id!r}, backend='inline', gpu_pool='')\n")
+    runner = tmp_path / "run_dag.py"
+    runner.write_text(runner_source)
+    env = _airflow_env(tmp_path)
+    _run([sys.executable, "-m", "airflow", "db", "migrate"], env)
+    return dag_file, runner, env
+
+
 def _run(args: list[str], env: dict[str, str]) -> str:
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -74,25 +86,11 @@ def test_a_clear_in_airflow_lifts_safe_mode_and_the_units_run(tmp_path):
     from verl_tasks.store.units import read_marker
 
     train = tmp_path / "train.jsonl"  # missing on the first run: the plan fails for good
-    raw = yaml.safe_load(TINY_YAML.read_text())
-    for dotted, value in {**small_overrides(epochs=1), "model.tiny.warm_start_steps": 0, "data.train": str(train),
-                          "fault_tolerance.retries": 1, "fault_tolerance.retry_delay_s": 0,
-                          "experiment": "clear-lift", "storage.uri": f"file://{tmp_path}/store"}.items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    config = tmp_path / "clear_lift.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    (tmp_path / "dags").mkdir()
-    dag_file = tmp_path / "dags" / "clear_lift.py"
-    dag_file.write_text("from verl_tasks.airflow.factory import build_dag\n"
-                        f"dag = build_dag({str(config)!r}, dag_id={DAG_ID!r}, backend='inline', gpu_pool='')\n")
-    runner = tmp_path / "run_dag.py"
-    runner.write_text(RUNNER)
-    env = _airflow_env(tmp_path)
-    _run([sys.executable, "-m", "airflow", "db", "migrate"], env)
+    config = write_yaml(tmp_path, {**small_overrides(epochs=1), "model.tiny.warm_start_steps": 0,
+                                   "data.train": str(train), "fault_tolerance.retries": 1,
+                                   "fault_tolerance.retry_delay_s": 0, "experiment": "clear-lift",
+                                   "storage.uri": f"file://{tmp_path}/store"})
+    dag_file, runner, env = prepare_dag_test(tmp_path, config, DAG_ID, RUNNER)
 
     first = _states(_run([sys.executable, str(runner), str(dag_file), "first"], env))
     assert first["epoch_000.plan"][0] == "failed" and first["configure"][0] == "success", first

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.airflow.test_clear_lifts_safe_mode import _airflow_env, _run
+from tests.airflow.test_clear_lifts_safe_mode import prepare_dag_test
 from tests.conftest import TINY_YAML, small_overrides, write_yaml
 
 DAG_ID = "retrain_gate"
@@ -74,14 +74,7 @@ def test_a_child_that_beats_its_parent_is_promoted_and_one_that_does_not_is_not(
     commit_accuracy(store, Layout(f"retrain-{kept}").base_evaluate, 1.0, 0)
     commit_accuracy(store, Layout(f"retrain-{beaten}").base_evaluate, 0.0, 0)
 
-    (tmp_path / "dags").mkdir()
-    dag_file = tmp_path / "dags" / "retrain_gate.py"
-    dag_file.write_text("from verl_tasks.airflow.factory import build_dag\n"
-                        f"dag = build_dag({str(config)!r}, dag_id={DAG_ID!r}, backend='inline', gpu_pool='')\n")
-    runner = tmp_path / "run_dag.py"
-    runner.write_text(RUNNER)
-    env = _airflow_env(tmp_path)
-    _run([sys.executable, "-m", "airflow", "db", "migrate"], env)
+    dag_file, runner, env = prepare_dag_test(tmp_path, config, DAG_ID, RUNNER)
     done = subprocess.run([sys.executable, str(runner), str(dag_file), kept, beaten], env=env, capture_output=True,
                           text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
