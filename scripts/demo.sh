@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make demo: a local Ray head, a project-local Airflow (SQLite), the tiny experiment's DAG end to end
-# with every phase a Ray job run on the experiment's worker pools (`airflow dags test`), one line per
+# with every phase run on the experiment's Ray worker pools (`airflow dags test`, the task process a Ray driver), one line per
 # committed unit as it goes, then the summary table. Exit 0 on success.
 #   DEMO_EPOCHS=N (default 8, the YAML's epochs)   DEMO_EXPERIMENT=name (default tiny-arith)
 set -euo pipefail
@@ -11,7 +11,7 @@ PY="$REPO/.venv/bin/python"
 STATE="$REPO/.ray-head"
 EXPERIMENT="${DEMO_EXPERIMENT:-tiny-arith}"
 EPOCHS="${DEMO_EPOCHS:-8}"
-export VERL_TASKS_BACKEND=ray
+export VERL_TASKS_BACKEND="${VERL_TASKS_BACKEND:-ray-driver}"  # "ray": one Ray job per task (deferrable)
 
 AF_PID=""
 WATCH_PID=""
@@ -23,7 +23,7 @@ cleanup() {
 trap cleanup EXIT
 
 "$PY" -m verl_tasks.execution.local_head start --state-dir "$STATE" --port "${RAY_PORT:-6399}" --dashboard-port "${RAY_DASHBOARD_PORT:-8275}"
-eval "$("$PY" -m verl_tasks.execution.local_head env --state-dir "$STATE")"   # VERL_TASKS_RAY_ADDRESS, RAY_AUTH_TOKEN_PATH
+eval "$("$PY" -m verl_tasks.execution.local_head env --state-dir "$STATE")"   # address, GCS address, token file
 
 airflow db migrate >"$AIRFLOW_HOME/migrate.log" 2>&1 || { tail -20 "$AIRFLOW_HOME/migrate.log"; exit 1; }
 airflow pools set verl_gpu 2 "GPU-bound phases (rollout, update)" >/dev/null

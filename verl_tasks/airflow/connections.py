@@ -8,6 +8,8 @@ except into the store / Ray client objects (never into XCom, task logs or trigge
 * Ray: a connection (``ray_default``) whose host/port are the dashboard's; schema ``https``
   switches the scheme; the password, when set, is the Ray auth token. Without the connection
   the environment is used (``VERL_TASKS_RAY_ADDRESS`` / ``RAY_ADDRESS``, ``RAY_AUTH_TOKEN[_PATH]``).
+  The ``ray-driver`` backend also needs the GCS address: extra ``gcs_address`` or
+  ``VERL_TASKS_RAY_GCS_ADDRESS``.
 """
 from __future__ import annotations
 
@@ -74,3 +76,15 @@ def ray_target(ray_conn_id: str | None = "ray_default") -> RayTarget:
     address = normalise_address(f"{host}:{conn.port}" if conn.port else host)
     token = conn.password or read_token((conn.extra_dejson or {}).get("token_file"))
     return RayTarget(address, token)
+
+
+def ray_gcs_address(ray_conn_id: str | None = "ray_default") -> str:
+    """The cluster's GCS address for the ``ray-driver`` backend: the connection's extra, else the env.
+
+    Raises:
+        RayUnavailable: neither names one.
+    """
+    from verl_tasks.execution.driver import gcs_address
+
+    conn = _get_connection(ray_conn_id) if ray_conn_id else None
+    return gcs_address((conn.extra_dejson or {}).get("gcs_address") if conn is not None else None)

@@ -7,7 +7,14 @@
    unit if there is one) and defer to :class:`RayJobTrigger`; ``execute_complete`` raises
    the job's typed error (rebuilt from its result line, the job id and log tail as its
    cause) or :class:`JobFailed`, else reads the marker;
-3. ``backend="inline"``: run the phase in the worker (tests, ``airflow dags test``).
+3. ``backend="ray-driver"``: the task process joins the cluster as a Ray driver (once per
+   process) and runs the unit on its pool itself, waiting without deferral: no job driver
+   to start, for units of seconds (see :mod:`verl_tasks.execution.driver`); ``on_kill`` and
+   Airflow's timeout fence the attempt and kill its actor;
+4. ``backend="inline"``: run the phase in the worker (tests, ``airflow dags test``).
+
+Every unit that runs logs one ``verl-tasks timing {...}`` line: the task's own store calls
+and, on Ray, connect / submit / queue / compute / return seconds (``benchmarks/demo_split.py``).
 
 A deterministic error (bad config or input, a failed quality gate, safe mode; see
 :mod:`verl_tasks.execution.outcome`) fails the task at once with ``AirflowFailException``
@@ -19,8 +26,10 @@ XCom gets ``{"unit", "attempt", "metrics"}`` only: keys and small numbers, no cr
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cached_property
@@ -40,7 +49,7 @@ from verl_tasks.execution.outcome import describe, error_from_result, is_determi
 from verl_tasks.layout import Layout
 
 log = logging.getLogger(__name__)
-BACKENDS = ("ray", "inline")
+BACKENDS = ("ray", "ray-driver", "inline")
 
 
 def default_backend() -> str:
@@ -119,7 +128,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         phase: plan, rollout, score, validate, update, snapshot or evaluate.
         epoch: the epoch index.
         batch: the batch index (rollout and score; usually mapped with ``expand``).
-        backend: ``ray`` (default, env ``VERL_TASKS_BACKEND``) or ``inline``.
+        backend: ``ray`` (default, env ``VERL_TASKS_BACKEND``), ``ray-driver`` or ``inline``.
         ray_conn_id: connection holding the Ray dashboard address and token.
         aws_conn_id: AWS connection for S3 (the YAML's ``storage.aws_conn_id`` wins).
         ray_retry_s: how long transient Ray dashboard errors are retried (submit, status,
@@ -149,6 +158,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         self.poll_interval = poll_interval
         self.snapshot_asset = snapshot_asset
         self._job_id: str | None = None
+        self._running = None  # execution.driver.Running of the unit in flight (ray-driver backend)
 
     # -- helpers -------------------------------------------------------------------
     def _spec(self, cfg) -> UnitSpec:
@@ -183,6 +193,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         from verl_tasks.store.units import read_marker
 
+        began = time.monotonic()
         with fail_fast(f"task {self.task_id}"):  # a bad YAML or trigger form fails the same way on every try
             cfg, access = self.resolve(context)
         reason = self._skip_reason(cfg)
@@ -196,12 +207,17 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         if record is not None:
             self.log.info("%s is committed (attempt %s): nothing to do", unit, record.attempt)
             return self._finish(context, cfg, store, record)
+        timing = {"store_s": time.monotonic() - began}
         if self.backend == "inline":
             from verl_tasks.execution.inline import InlineBackend
 
+            started = time.monotonic()
             with fail_fast(unit):
                 record = InlineBackend().run(cfg, spec, access.credentials)
+            self._log_timing(unit, {**timing, "compute_s": time.monotonic() - started})
             return self._finish(context, cfg, store, record)
+        if self.backend == "ray-driver":
+            return self._run_as_driver(context, cfg, store, spec, unit, timing)
         handle = self.ray.submit(cfg, spec)
         if handle.status == "SUCCEEDED":
             record = read_marker(store, unit)
@@ -237,10 +253,42 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         self.log.info("Ray job %s committed %s (attempt %s)", job_id, unit, record.attempt)
         return self._finish(context, cfg, store, record)
 
+    def _run_as_driver(self, context: Any, cfg, store, spec: UnitSpec, unit: str, timing: dict) -> dict[str, Any]:
+        """Run the unit on its pool from this process (see :mod:`verl_tasks.execution.driver`)."""
+        from verl_tasks.airflow.connections import ray_gcs_address
+        from verl_tasks.execution import driver
+        from verl_tasks.store.units import read_marker
+
+        address = ray_gcs_address(self.ray_conn_id)
+        self._running = driver.start(cfg, spec)
+        self.log.info("running %s on its worker pool (attempt %s)", unit, self._running.attempt)
+        outcome = driver.run(self._running, address)
+        for line in outcome.result.get("log", []):
+            self.log.info("[worker] %s", line)
+        if not outcome.result.get("ok"):
+            raise_job_error(f"pool unit {unit} attempt {self._running.attempt}",
+                            {"status": "FAILED", "result": {**outcome.result, "unit": unit}})
+        began = time.monotonic()
+        record = read_marker(store, unit)
+        if record is None:
+            raise PhaseFailed(unit, f"attempt {self._running.attempt} returned ok but the unit has no _SUCCESS marker")
+        timing["store_s"] += time.monotonic() - began
+        self._log_timing(unit, {**timing, **outcome.timing})
+        return self._finish(context, cfg, store, record)
+
+    def _log_timing(self, unit: str, timing: dict[str, float]) -> None:
+        """One machine-readable line per unit that ran: where the task's time went."""
+        self.log.info("verl-tasks timing %s", json.dumps({"unit": unit, "backend": self.backend,
+                                                          **{k: round(v, 4) for k, v in timing.items()}}))
+
     def on_kill(self) -> None:
         if self._job_id and self.backend == "ray":
             self.log.info("stopping Ray job %s", self._job_id)
             self.ray.stop(self._job_id)
+        if self._running is not None and self.backend == "ray-driver":
+            from verl_tasks.execution import driver
+
+            driver.cancel(self._running, "the Airflow task was killed (clear, mark failed or timeout)")
 
 
 @contextmanager

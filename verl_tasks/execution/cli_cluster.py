@@ -57,7 +57,7 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
     Everything started here is stopped when ``stack`` closes.
     """
     if ray_address is None:
-        # Ray reads these when it is imported: a loopback head, and token auth (its default) on.
+        # Ray reads these when it is imported (waiting for the head imports it): loopback, token auth on.
         os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
         from verl_tasks.execution import local_head
 
@@ -66,7 +66,7 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
         info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=cpus_needed(config),
                                 cwd=Path.cwd())
         stack.callback(local_head.stop, state)
-        os.environ.update(RAY_AUTH_TOKEN_PATH=info.token_file, RAY_TMPDIR=info.tmpdir)
+        os.environ.update(info.client_env(), **info.driver_env())
         ray_address = info.gcs_address
         if console is not None:
             console.print(f"local Ray head at {info.address} (pid {info.pid}); stopped when the run ends")

@@ -2,7 +2,7 @@
 
     python -m verl_tasks.execution.local_head start [--state-dir .ray-head] [--port 6399] [--dashboard-port 8275]
     python -m verl_tasks.execution.local_head stop  [--state-dir .ray-head]
-    python -m verl_tasks.execution.local_head env   [--state-dir .ray-head]   # shell exports for clients
+    python -m verl_tasks.execution.local_head env   [--state-dir .ray-head]   # shell exports for clients and drivers
 
 The head runs ``ray start --head --block`` under ``setsid`` with its own
 ``RAY_TMPDIR`` and its own token file (token authentication stays on), created 0600
@@ -44,6 +44,14 @@ class HeadInfo:
     def client_env(self) -> dict[str, str]:
         """Environment a client (Airflow worker, triggerer, test) needs to use this head."""
         return {"VERL_TASKS_RAY_ADDRESS": self.address, "RAY_AUTH_TOKEN_PATH": self.token_file}
+
+    def driver_env(self) -> dict[str, str]:
+        """What a Ray driver joining this loopback head also needs (the ``ray-driver`` backend).
+
+        Ray reads the last three when it is imported: set them before.
+        """
+        return {"VERL_TASKS_RAY_GCS_ADDRESS": self.gcs_address, "RAY_AUTH_MODE": "token",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": self.tmpdir}
 
 
 def _alive(pid: int) -> bool:
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if info is None:
             log.error("no ray head running under %s", state)
             return 1
-        for key, value in info.client_env().items():
+        for key, value in {**info.client_env(), **info.driver_env()}.items():
             sys.stdout.write(f"export {key}={value}\n")
     return 0
 

@@ -198,6 +198,18 @@ def ensure_connected(address: str | None = None) -> None:
         ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
 
 
+_RETIRE_EVERY_S = 60.0
+_retire_checked: dict[PoolShape, float] = {}
+
+
+def retire_stale_now_and_then(shape: PoolShape) -> None:
+    """:func:`retire_stale` at most once a minute per pool and process: it lists the cluster's named actors."""
+    now = time.monotonic()
+    if now - _retire_checked.get(shape, -_RETIRE_EVERY_S) >= _RETIRE_EVERY_S:
+        _retire_checked[shape] = now
+        retire_stale(shape)
+
+
 def retire_stale(shape: PoolShape) -> list[str]:
     """Ask actors of this kind built from other code to exit once idle. Returns their names."""
     current = f"{shape.prefix}{code_fingerprint()}:"
@@ -241,7 +253,7 @@ def pick_actor(actors: list[Any], batch: int | None) -> int:
 def submit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None) -> tuple[Any, Any]:
     """Hand one unit to its pool; returns (the result's ObjectRef, the actor running it)."""
     shape = PoolShape.for_phase(config, spec.phase)
-    retire_stale(shape)
+    retire_stale_now_and_then(shape)
     actors = pool_actors(shape)
     actor = actors[pick_actor(actors, spec.batch)]
     return actor.run.remote(config.model_dump(mode="json"), spec.phase, spec.epoch, spec.batch, attempt), actor
