@@ -41,6 +41,7 @@ if ! wait "$AF_PID"; then
 fi
 AF_PID=""
 grep -q "state=success" "$AIRFLOW_HOME/demo-dags-test.log" || { echo "run did not succeed; see $AIRFLOW_HOME/demo-dags-test.log" >&2; exit 1; }
-echo "DAG run tiny_arith succeeded in $(( $(date +%s) - started ))s (phases ran as Ray jobs; log: $AIRFLOW_HOME/demo-dags-test.log)"
+echo "DAG run tiny_arith succeeded in $(( $(date +%s) - started ))s (phases ran on Ray worker pools, backend $VERL_TASKS_BACKEND; log: $AIRFLOW_HOME/demo-dags-test.log)"
+"$PY" benchmarks/demo_split.py --db "$AIRFLOW_HOME/airflow.db" --log "$AIRFLOW_HOME/demo-dags-test.log" || true
 kill "$WATCH_PID" 2>/dev/null; WATCH_PID=""
 COLUMNS="${COLUMNS:-140}" "$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --curve --experiment "$EXPERIMENT" --store "$STORE"

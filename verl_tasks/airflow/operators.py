@@ -214,7 +214,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             started = time.monotonic()
             with fail_fast(unit):
                 record = InlineBackend().run(cfg, spec, access.credentials)
-            self._log_timing(unit, {**timing, "compute_s": time.monotonic() - started})
+            self._log_timing(context, unit, {**timing, "compute_s": time.monotonic() - started})
             return self._finish(context, cfg, store, record)
         if self.backend == "ray-driver":
             return self._run_as_driver(context, cfg, store, spec, unit, timing)
@@ -273,13 +273,15 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         if record is None:
             raise PhaseFailed(unit, f"attempt {self._running.attempt} returned ok but the unit has no _SUCCESS marker")
         timing["store_s"] += time.monotonic() - began
-        self._log_timing(unit, {**timing, **outcome.timing})
+        self._log_timing(context, unit, {**timing, **outcome.timing})
         return self._finish(context, cfg, store, record)
 
-    def _log_timing(self, unit: str, timing: dict[str, float]) -> None:
+    def _log_timing(self, context: Any, unit: str, timing: dict[str, float]) -> None:
         """One machine-readable line per unit that ran: where the task's time went."""
-        self.log.info("verl-tasks timing %s", json.dumps({"unit": unit, "backend": self.backend,
-                                                          **{k: round(v, 4) for k, v in timing.items()}}))
+        ti = context.get("ti")
+        line = {"task_id": self.task_id, "map_index": getattr(ti, "map_index", -1), "unit": unit,
+                "backend": self.backend, **{k: round(v, 4) for k, v in timing.items()}}
+        self.log.info("verl-tasks timing %s", json.dumps(line))
 
     def on_kill(self) -> None:
         if self._job_id and self.backend == "ray":
