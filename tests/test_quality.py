@@ -1,0 +1,44 @@
+"""The Great Expectations gate: one context per process, one cheap pass for a good epoch, failures named."""
+from __future__ import annotations
+
+from verl_tasks.quality import suites
+from verl_tasks.quality.suites import Limits, summarize, validate_epoch
+
+LIMITS = Limits(rows_per_batch=4, rows_per_epoch=8, max_prompt_tokens=16, max_response_tokens=8,
+                min_score=0.0, max_score=1.0, min_nonempty_fraction=0.5)
+
+
+def _rows(batch: int, scores=(1.0, 0.0, 1.0, 0.0), response="12") -> list[dict]:
+    return [{"sample_id": f"e0-b{batch}-s{i}", "response": response, "prompt_tokens": 5, "response_tokens": 2,
+             "score": score} for i, score in enumerate(scores)]
+
+
+def test_a_good_epoch_is_one_validation_pass_and_the_context_is_built_once_per_process():
+    passes = suites.COUNTS["passes"]
+    for _ in range(3):
+        report = validate_epoch({0: _rows(0), 1: _rows(1)}, LIMITS)
+        assert report == {"success": True, "batches": {}, "epoch": [], "rows": 8}
+    validate_epoch({0: _rows(0, scores=(0.5,) * 4)}, Limits(**{**LIMITS.__dict__, "rows_per_epoch": 4}))
+    assert suites.COUNTS["passes"] - passes == 4, suites.COUNTS
+    assert suites.COUNTS["contexts"] == 1, suites.COUNTS  # other limits: another suite, the same context
+
+
+def test_a_failing_epoch_names_its_batch_expectation_and_values():
+    passes = suites.COUNTS["passes"]
+    report = validate_epoch({0: _rows(0), 1: _rows(1, scores=(1.0, 7.0, 1.0, 9.0))}, LIMITS)
+    assert suites.COUNTS["passes"] - passes == 2  # the cheap pass, then the one that finds where
+    assert not report["success"] and list(report["batches"]) == ["1"] and not report["epoch"]
+    [failure] = report["batches"]["1"]
+    assert failure["expectation"] == "expect_column_values_to_be_between" and failure["column"] == "score"
+    assert failure["unexpected_count"] == 2 and failure["partial_unexpected_list"] == [7.0, 9.0]
+    assert "batch 1: expect_column_values_to_be_between(score) failed" in summarize(report)
+
+
+def test_epoch_level_and_per_batch_failures():
+    empty = _rows(1, response="")
+    report = validate_epoch({0: _rows(0), 1: empty, 2: _rows(2)}, LIMITS)  # 12 rows, 8 expected
+    assert not report["success"]
+    assert [f["expectation"] for f in report["epoch"]] == ["expect_table_row_count_to_equal"]
+    assert report["epoch"][0]["observed_value"] == 12
+    assert [f["column"] for f in report["batches"]["1"]] == ["batch_nonempty_fraction"]
+    assert set(report["batches"]) == {"1"}
