@@ -88,3 +88,36 @@ def test_malformed_replies_get_the_default_score():
 def test_check_reply_refuses_what_is_not_a_score_for_this_sample(reply):
     score, reason = check_reply(reply, 1)
     assert score is None and reason.startswith("malformed reply")
+
+
+def test_warm_worker_survives_between_batches_and_a_crashed_or_hung_one_is_replaced():
+    from verl_tasks.rewards.sandbox import warm_sandbox
+
+    def batch(*texts):
+        with warm_sandbox(f"{BAD}:misbehaving", 1.0, 1024) as box:
+            result = box.score(_requests(*texts), default=-1.0)
+            return result, box.proc.pid if box.proc else None
+
+    first, pid = batch("1", "0", "1")
+    again, same = batch("1", "1")
+    assert (first.scores, again.scores) == ([1.0, 0.0, 1.0], [1.0, 1.0])
+    assert same == pid, "the worker was not kept between batches"
+    crashed, after_crash = batch("1", "crash", "1", "1")
+    assert crashed.scores == [1.0, -1.0, 1.0, 1.0] and crashed.failures == {"s1": "worker crashed"}
+    assert after_crash not in (None, pid), "the crashed worker was not replaced"
+    hung, after_hang = batch("hang", "1")
+    assert hung.scores == [-1.0, 1.0] and "timed out" in hung.failures["s0"]
+    assert after_hang not in (None, after_crash), "the hung worker was not replaced"
+    ok, kept = batch("1")
+    assert ok.scores == [1.0] and kept == after_hang
+
+
+def test_a_batch_larger_than_the_request_window_is_scored_in_order(monkeypatch):
+    from verl_tasks.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "WINDOW_BYTES", 400)  # a few requests per window
+    texts = [str(i % 3) for i in range(40)] + ["raise"] + [str(i % 3) for i in range(20)]
+    with RewardSandbox(f"{BAD}:misbehaving", timeout_s=5.0, memory_limit_mb=1024) as box:
+        result = box.score(_requests(*texts), default=-1.0)
+    expected = [1.0 if t == "1" else (-1.0 if t == "raise" else 0.0) for t in texts]
+    assert result.scores == expected and set(result.failures) == {"s40"}

@@ -36,6 +36,9 @@ from verl_tasks.secrets import scrubbed_env
 log = logging.getLogger(__name__)
 MALFORMED = object()  # a reply line that is not JSON
 BAD_REPLY = "malformed reply"
+REQUEST_KEYS = ("data_source", "solution_str", "ground_truth", "extra_info")
+# Unanswered request bytes in the worker's stdin pipe at most (Linux pipes hold 64 KiB).
+WINDOW_BYTES = 32 << 10
 
 
 @dataclass
@@ -141,31 +144,45 @@ class RewardSandbox:
         self.close()
 
     def score(self, samples: list[dict[str, Any]], default: float) -> ScoreResult:
-        """Score samples in order. Each needs id, data_source, solution_str, ground_truth, extra_info."""
+        """Score samples in order. Each needs id, data_source, solution_str, ground_truth, extra_info.
+
+        Requests go to the worker a window at a time (at most ``WINDOW_BYTES`` unanswered, so a
+        write never blocks on a full pipe); the worker answers them one after another, so sample
+        ``k`` still has ``timeout_s`` from the moment sample ``k - 1`` was answered. After a hang,
+        a crash or a reply out of step, the worker is replaced and the rest are sent again.
+        """
         result = ScoreResult(scores=[])
-        for i, sample in enumerate(samples):
+        lines = [json.dumps({"i": i, **{k: s[k] for k in REQUEST_KEYS}}) + "\n" for i, s in enumerate(samples)]
+        i = 0
+        while i < len(samples):
             if self.proc is None:
                 self.start()
-            request = {k: sample[k] for k in ("data_source", "solution_str", "ground_truth", "extra_info")}
+            end, size = i, 0
+            while end < len(lines) and (end == i or size + len(lines[end]) <= WINDOW_BYTES):
+                size += len(lines[end])
+                end += 1
             try:
-                self.proc.stdin.write(json.dumps({"i": i, **request}) + "\n")
+                self.proc.stdin.write("".join(lines[i:end]))
                 self.proc.stdin.flush()
-                reply = self._read_line(self.timeout_s)
             except (BrokenPipeError, OSError):
-                reply, self._eof = None, True
-            if reply is None:
-                crashed = self._eof or self.proc.poll() is not None
-                reason = "worker crashed" if crashed else f"timed out after {self.timeout_s:g}s"
-                self.close()
-                result.scores.append(default)
-                result.failures[sample["id"]] = reason
-                continue
-            score, reason = check_reply(reply, i)
-            if reason is not None and reason.startswith(BAD_REPLY):
-                self.close()  # the protocol is out of step: start a clean worker
-            result.scores.append(default if score is None else score)
-            if reason is not None:
-                result.failures[sample["id"]] = reason
+                self._eof = True
+                end = i + 1  # the worker is gone: sample i gets the default, the rest a new worker
+            for k in range(i, end):
+                reply = None if self._eof else self._read_line(self.timeout_s)
+                i = k + 1
+                if reply is None:
+                    crashed = self._eof or self.proc.poll() is not None
+                    self.close()
+                    result.scores.append(default)
+                    result.failures[samples[k]["id"]] = "worker crashed" if crashed else f"timed out after {self.timeout_s:g}s"
+                    break
+                score, reason = check_reply(reply, k)
+                result.scores.append(default if score is None else score)
+                if reason is not None:
+                    result.failures[samples[k]["id"]] = reason
+                    if reason.startswith(BAD_REPLY):
+                        self.close()  # the protocol is out of step: start a clean worker, send the rest again
+                        break
         return result
 
 
