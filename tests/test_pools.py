@@ -217,3 +217,67 @@ def test_a_ray_job_past_its_timeout_is_cancelled_and_the_retry_is_a_new_attempt(
     assert backend.wait(second.submission_id, timeout_s=240) == "SUCCEEDED", backend.logs(second.submission_id)[-3000:]
     fenced = [k for k in ctx.store.list(Layout(name).rollout(0, 0)) if "/.fenced/" in k]
     assert len(fenced) == 1 and read_marker(ctx.store, Layout(name).rollout(0, 0)).attempt not in fenced[0]
+
+
+def test_operator_as_a_ray_driver_runs_its_unit_and_on_kill_stops_it(gpu_head, tmp_path, monkeypatch, capsys):
+    """``backend="ray-driver"``: the Airflow task process runs the unit on its pool itself, logs where the
+    time went, and ``on_kill`` (what Airflow's clear, mark-failed and timeout call) fences the attempt and
+    stops the actor's work at once; the next try commits as a new attempt."""
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from tests.conftest import small_overrides, write_yaml
+    from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
+    from verl_tasks.store import open_store
+    from verl_tasks.store.units import fence_record
+
+    plan, info = gpu_head["plan"], gpu_head["info"]
+    monkeypatch.setenv("VERL_TASKS_RAY_GCS_ADDRESS", info.gcs_address)
+    store_uri = f"file://{tmp_path}/store"
+    yaml_path = write_yaml(tmp_path, small_overrides(**FAST, **{"storage.uri": store_uri}))
+    name = "driver-op"
+    ctx = {"params": {"experiment": name},
+           "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
+
+    def operator(phase: str, batch: int | None = None) -> VerlPhaseOperator:
+        return VerlPhaseOperator(task_id=phase, config_path=str(yaml_path), phase=phase, epoch=0, batch=batch,
+                                 backend="ray-driver", ray_conn_id=None)
+
+    ConfigureExperimentOperator(task_id="configure", config_path=str(yaml_path)).execute(ctx)
+    capsys.readouterr()
+    planned = operator("plan").execute(ctx)
+    assert planned["unit"] == f"{name}/epochs/00000/plan"
+    timings = [json.JSONDecoder().raw_decode(line.split("verl-tasks timing ", 1)[1])[0]
+               for line in capsys.readouterr().out.splitlines() if "verl-tasks timing " in line]
+    assert [t["unit"] for t in timings] == [planned["unit"]], timings
+    assert timings[0]["compute_s"] > 0 and timings[0]["backend"] == "ray-driver", timings
+    assert operator("plan").execute(ctx)["attempt"] == planned["attempt"]  # committed: returns from the marker
+
+    held = hold(plan, name, 0, 1)
+    doomed = operator("rollout", 1)
+    outcome: dict = {}
+
+    def run_task() -> None:
+        try:
+            outcome["result"] = doomed.execute(ctx)
+        except BaseException as err:  # noqa: BLE001 - what the killed task raised
+            outcome["error"] = err
+
+    task = threading.Thread(target=run_task, daemon=True)
+    task.start()
+    pid = int(wait_until("the rollout to be in its middle", lambda: held.exists() and held.read_text()))
+    killed_at = time.monotonic()
+    doomed.on_kill()
+    wait_until("the killed unit's worker process to be gone", lambda: not Path(f"/proc/{pid}").exists(), timeout_s=5)
+    assert time.monotonic() - killed_at < 5
+    task.join(timeout=120)
+    assert not task.is_alive() and "error" in outcome and "result" not in outcome, outcome
+    release(plan, name, 0, 1)
+    store = open_store(store_uri)
+    unit = Layout(name).rollout(0, 1)
+    attempt = doomed._running.attempt
+    assert fence_record(store, unit, attempt) is not None, "the killed attempt was not fenced"
+    assert read_marker(store, unit) is None
+    retried = operator("rollout", 1).execute(ctx)
+    assert retried["attempt"] != attempt and read_marker(store, unit).attempt == retried["attempt"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_tasks.config import ExperimentConfig
+from verl_tasks.errors import PhaseFailed
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.ray_jobs import RayUnavailable
 
@@ -58,6 +59,7 @@ class Running:
     attempt: str
     actors: list[Any] = field(default_factory=list)
     done: bool = False
+    cancelled: str | None = None  # why, once cancelled
 
 
 @dataclass
@@ -89,8 +91,11 @@ def run(running: Running, address: str) -> Outcome:
 
     timeout_s = running.config.fault_tolerance.timeout_s.get(running.spec.phase)
     try:
-        result = pools.run_unit(running.config, running.spec, running.attempt, timeout_s, on_submit=sent)
-    except BaseException:
+        result = pools.run_unit(running.config, running.spec, running.attempt, timeout_s, on_submit=sent,
+                                cancelled=lambda: running.cancelled is not None)
+    except BaseException as err:
+        if running.cancelled is not None:
+            raise PhaseFailed(running.spec.label, f"attempt {running.attempt} cancelled: {running.cancelled}") from err
         cancel(running, "the Airflow task stopped waiting (timeout, kill or error)")
         raise
     running.done = True
@@ -118,6 +123,7 @@ def cancel(running: Running, reason: str) -> None:
     from verl_tasks.execution import pools
 
     running.done = True
+    running.cancelled = reason
     try:
         pools.cancel_unit(running.config, running.spec, running.attempt, running.actors[-1], reason)
     except Exception:  # noqa: BLE001 - cancelling is best effort; the fence is what guarantees no commit

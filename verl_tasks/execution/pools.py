@@ -83,7 +83,11 @@ class PoolShape:
 
     @classmethod
     def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
+        """The pool of ``phase``; an update on Ray Train is one driver actor that holds no GPUs, memory or
+        custom resources: its Ray Train workers reserve those, so the driver never holds what they wait for."""
         res: Resources = config.phase_resources(phase)
+        if phase == "update" and res.distributed:
+            return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s)
         return cls(config.experiment, pool_kind(phase), res.num_cpus, res.num_gpus, res.memory_mb,
                    tuple(sorted(res.custom.items())), res.workers, res.idle_release_s)
 
@@ -278,12 +282,14 @@ def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = 
 
 
 def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, timeout_s: float | None,
-             on_submit: Callable[[Any], None] | None = None) -> dict[str, Any]:
+             on_submit: Callable[[Any], None] | None = None,
+             cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Submit and wait; a call that reached an actor while Ray restarted it is sent again.
 
     Ray fails such a call at once ("temporarily unavailable"); sending the same attempt
     again is safe: a unit that did commit is skipped, one that did not is redone to the
-    same bytes. ``on_submit`` hears each actor the unit is sent to (to cancel it there).
+    same bytes. Not when ``cancelled()`` says the caller killed that actor itself.
+    ``on_submit`` hears each actor the unit is sent to (to cancel it there).
     """
     for resend in range(RESENDS + 1):
         ref, actor = submit(config, spec, attempt)
@@ -292,7 +298,7 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
         try:
             return wait(config, spec, attempt, ref, actor, timeout_s)
         except ray.exceptions.ActorUnavailableError:
-            if resend == RESENDS:
+            if resend == RESENDS or (cancelled is not None and cancelled()):
                 raise
             log.info("%s reached its worker while Ray restarted it; sending it again", spec.label)
             time.sleep(STATE_POLL_S * (resend + 1))
