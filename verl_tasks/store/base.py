@@ -34,6 +34,14 @@ class ObjectStore(abc.ABC):
     def put(self, key: str, data: bytes) -> None:
         """Write (or overwrite) ``key`` atomically: readers see old or new bytes, never a mix."""
 
+    def put_log(self, key: str, data: bytes) -> None:
+        """Write a telemetry record (an event) atomically, without waiting for it to reach the disk.
+
+        Readers never see half of it; a crash of the machine may lose the newest ones. Commit
+        markers and unit files never use it. By default the same as ``put``.
+        """
+        self.put(key, data)
+
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist. Returns False if it already existed."""

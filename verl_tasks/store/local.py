@@ -36,8 +36,12 @@ class LocalStore(ObjectStore):
             return
         _fsync_dir(folder.parent)
 
-    def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None) -> Path:
-        self._makedirs(target.parent)
+    def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None,
+                    sync: bool = True) -> Path:
+        if sync:
+            self._makedirs(target.parent)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
         # 0o666 under the umask (mkstemp would make it 0600, unreadable to the group).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -49,7 +53,8 @@ class LocalStore(ObjectStore):
                 else:
                     handle.write(data or b"")
                 handle.flush()
-                os.fsync(handle.fileno())
+                if sync:
+                    os.fsync(handle.fileno())
         except OSError as err:
             Path(tmp).unlink(missing_ok=True)
             if err.errno == errno.ENOSPC:
@@ -64,6 +69,11 @@ class LocalStore(ObjectStore):
         target = self._path(key)
         os.replace(self._write_temp(target, data), target)
         _fsync_dir(target.parent)
+
+    def put_log(self, key: str, data: bytes) -> None:
+        """Like ``put`` (temp file renamed into place) without the fsyncs: events are telemetry."""
+        target = self._path(key)
+        os.replace(self._write_temp(target, data, sync=False), target)
 
     def put_file(self, key: str, path: Path) -> None:
         target = self._path(key)

@@ -1,0 +1,34 @@
+"""Events are cheap telemetry: written atomically without fsync; markers keep theirs."""
+from __future__ import annotations
+
+import os
+
+from verl_tasks.events import read_events, record_event
+from verl_tasks.layout import Layout
+from verl_tasks.store import open_store
+from verl_tasks.store.units import UnitWriter, read_marker
+
+
+def test_events_skip_fsync_but_a_commit_does_not(tmp_path, monkeypatch):
+    store, layout = open_store(f"file://{tmp_path}/store"), Layout("exp")
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    for i in range(3):
+        record_event(store, layout, "started", unit=f"u{i}", epoch=0)
+    assert synced == [], "an event write waited for the disk"
+    kinds = [(e["kind"], e["unit"]) for e in read_events(store, layout)]
+    assert kinds == [("started", "u0"), ("started", "u1"), ("started", "u2")]
+    assert not [k for k in store.list(layout.events + "/") if "/.tmp-" in k]
+    writer = UnitWriter(store, "exp/epochs/00000/plan")
+    writer.write_json("plan.json", {"epoch": 0})
+    writer.commit({})
+    assert len(synced) >= 4, "the unit's file, its marker and their folders must be fsynced"
+    assert read_marker(store, "exp/epochs/00000/plan") is not None
+
+
+def test_an_event_that_cannot_be_written_does_not_fail_the_caller(tmp_path):
+    store, layout = open_store(f"file://{tmp_path}/store"), Layout("exp")
+    (tmp_path / "store" / "exp").mkdir(parents=True)
+    (tmp_path / "store" / "exp" / "events").write_text("a file where the folder should be")
+    record_event(store, layout, "started", unit="u0")  # logged as a warning, not raised
