@@ -253,6 +253,19 @@ class StorageConfig(Strict):
         return value
 
 
+class UpdateStrategy(str, Enum):
+    """How the update's workers hold the model: replicated (``ddp``) or sharded (``fsdp2``)."""
+
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
+
+
+class MixedPrecision(str, Enum):
+    none = "none"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 class Resources(Strict):
     """What each Ray worker of a phase's pool holds, and how many workers the pool has."""
 
@@ -262,6 +275,20 @@ class Resources(Strict):
     custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {node_type_a100: 1}")
     workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: data-parallel processes)")
     idle_release_s: float = Field(300, gt=0, description="an idle worker exits after this, freeing its resources")
+    strategy: UpdateStrategy = Field(UpdateStrategy.ddp, description="update only: ddp (replicated) or fsdp2 (sharded)")
+    cpu_offload: bool = Field(False, description="update with fsdp2: sharded parameters and optimizer state in host memory")
+    mixed_precision: MixedPrecision = Field(MixedPrecision.none, description="update with fsdp2: compute dtype")
+
+    @model_validator(mode="after")
+    def _fsdp_options_need_fsdp2(self) -> "Resources":
+        if self.strategy != UpdateStrategy.fsdp2 and (self.cpu_offload or self.mixed_precision != MixedPrecision.none):
+            raise ValueError("cpu_offload and mixed_precision apply to strategy: fsdp2 only; set strategy: fsdp2")
+        return self
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the update needs torch.distributed workers (Ray Train), not just this process."""
+        return self.workers > 1 or self.strategy == UpdateStrategy.fsdp2
 
 
 class FaultToleranceConfig(Strict):
@@ -341,6 +368,8 @@ class ExperimentConfig(Strict):
         for phase in value:
             if phase not in PHASES:
                 raise ValueError(f"resources has unknown phase {phase!r}; use {PHASES}")
+            if phase != "update" and "strategy" in value[phase].model_fields_set:
+                raise ValueError(f"resources.{phase}.strategy: only the update phase has a strategy")
         return value
 
     @model_validator(mode="after")

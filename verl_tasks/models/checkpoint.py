@@ -2,8 +2,10 @@
 
 A policy folder is what ``transformers.AutoModelForCausalLM.from_pretrained``
 loads: ``config.json``, ``model.safetensors``, ``generation_config.json`` and
-the tokenizer files. Optimizer state is keyed by parameter *name*, never by
-rank or index, so a snapshot resumes on any number of workers.
+the tokenizer files. Optimizer state is keyed by parameter *name*: one file
+(``optimizer.safetensors``) when one process held it all (ddp), or one file per
+worker holding that worker's rows (fsdp2), and ``optimizer.json`` indexes the rows
+each file holds, so a snapshot resumes on any number of workers and either strategy.
 """
 from __future__ import annotations
 
@@ -12,12 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from verl_tasks.errors import IntegrityError
 from verl_tasks.store.conventions import OPTIMIZER, WEIGHTS
 
-__all__ = ["WEIGHTS", "OPTIMIZER", "refuse_pickles", "save_policy", "load_policy", "save_optimizer", "load_optimizer"]
+__all__ = ["WEIGHTS", "OPTIMIZER", "OPTIMIZER_INDEX", "refuse_pickles", "save_policy", "load_policy", "save_optimizer",
+           "save_optimizer_shard", "optimizer_index", "read_optimizer_index", "check_optimizer_index", "load_optimizer"]
+
+OPTIMIZER_INDEX = "optimizer.json"
+OPTIMIZER_FORMAT = "verl-tasks/optimizer-v1"
 
 ALLOWED_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja")
 PICKLE_NAMES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -57,30 +64,153 @@ def load_policy(folder: Path, dtype: str = "float32") -> tuple[torch.nn.Module, 
     return model, tokenizer
 
 
-def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> dict[str, Any]:
-    """Save AdamW moments by parameter name; returns the JSON-able hyperparameters."""
+def optimizer_shard_name(rank: int) -> str:
+    """The file of one worker's slice of the optimizer state (fsdp2); the index says which rows it holds."""
+    return f"optimizer.rank{rank:05d}.safetensors"
+
+
+def local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The rows (dim 0) of the full parameter this process holds: all of them unless it is an fsdp2 shard."""
+    if not hasattr(param, "device_mesh"):
+        return 0, param.shape[0]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offset[0], offset[0] + shape[0]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def save_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> dict[str, list[int]]:
+    """Write this process's slice of every parameter's AdamW state (``name::field``); returns its rows per name.
+
+    Rows are ``[start, stop, *full shape]``: the index (``optimizer_index``) needs no other
+    record of how the model was sharded, so a reader with any worker count finds its rows.
+    """
     names = {id(p): n for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
+    rows: dict[str, list[int]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param)
             if not state:
                 continue
             name = names[id(param)]
+            rows[name] = [*local_rows(param), *param.shape]
             for key, value in state.items():
-                tensor = value if torch.is_tensor(value) else torch.tensor(value)
+                tensor = _local(value) if torch.is_tensor(value) else torch.tensor(value)
                 tensors[f"{name}::{key}"] = tensor.detach().contiguous().cpu()
     save_file(tensors, str(path))
+    return rows
+
+
+def optimizer_index(optimizer: torch.optim.Optimizer, shards: dict[str, dict[str, list[int]]]) -> dict[str, Any]:
+    """The JSON index over the shard files: ``{file: {name: [start, stop, *shape]}}`` and the hyperparameters."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"param_groups": json.loads(json.dumps(groups, default=list))}
+    return {"format": OPTIMIZER_FORMAT, "shards": shards, "param_groups": json.loads(json.dumps(groups, default=list))}
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> None:
-    """Restore moments saved by ``save_optimizer`` into a fresh optimizer over ``model``."""
-    tensors = load_file(str(path))
+def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path) -> dict[str, Any]:
+    """One process holding the whole state: ``optimizer.safetensors`` plus its index; returns the hyperparameters."""
+    rows = save_optimizer_shard(optimizer, model, folder / OPTIMIZER)
+    index = optimizer_index(optimizer, {OPTIMIZER: rows})
+    (folder / OPTIMIZER_INDEX).write_text(json.dumps(index, sort_keys=True, indent=1))
+    return {"param_groups": index["param_groups"]}
+
+
+def read_optimizer_index(folder: Path) -> dict[str, Any] | None:
+    """The index of the optimizer state in ``folder``; a state saved before indexes existed gets one made up.
+
+    Returns None when the folder holds no optimizer state (a base snapshot: the optimizer starts fresh).
+    """
+    if (folder / OPTIMIZER_INDEX).is_file():
+        index = json.loads((folder / OPTIMIZER_INDEX).read_text())
+        if index.get("format") != OPTIMIZER_FORMAT:
+            raise IntegrityError(str(folder), [f"{OPTIMIZER_INDEX}: unknown format {index.get('format')!r}"])
+        return index
+    if not (folder / OPTIMIZER).is_file():
+        return None
+    with safe_open(str(folder / OPTIMIZER), "pt") as f:
+        rows = {}
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            if key.endswith("::exp_avg"):
+                rows[key.rsplit("::", 1)[0]] = [0, shape[0], *shape]
+    return {"format": OPTIMIZER_FORMAT, "shards": {OPTIMIZER: rows}}
+
+
+def check_optimizer_index(index: dict[str, Any], files: set[str]) -> list[str]:
+    """Problems with an index: a shard file missing, or a parameter whose rows are not covered exactly once."""
+    problems = [f"{OPTIMIZER_INDEX} names {name}, which is not in the snapshot"
+                for name in sorted(index["shards"]) if name not in files]
+    covered: dict[str, list[list[int]]] = {}
+    for rows in index["shards"].values():
+        for name, entry in rows.items():
+            covered.setdefault(name, []).append(entry)
+    for name, entries in sorted(covered.items()):
+        spans = sorted((e[0], e[1]) for e in entries if e[1] > e[0])
+        full = entries[0][2] if len(entries[0]) > 2 else spans[-1][1]
+        edges = [0] + [b for _, b in spans]
+        if [a for a, _ in spans] != edges[:-1] or edges[-1] != full:
+            problems.append(f"optimizer state of {name}: shards cover rows {spans}, not [0, {full}) exactly once")
+    return problems
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path) -> bool:
+    """Restore the moments saved in ``folder`` (any worker count, either strategy) into a fresh optimizer.
+
+    Each parameter gets the rows this process holds (``local_rows``), read from whichever
+    shard files hold them; nothing else is read. Returns False when ``folder`` has no state.
+
+    Raises:
+        IntegrityError: the state names a parameter the model lacks, or misses rows of one.
+    """
+    index = read_optimizer_index(folder)
+    if index is None:
+        return False
     params = dict(model.named_parameters())
-    for key, tensor in tensors.items():
-        name, field = key.rsplit("::", 1)
-        if name not in params:
-            raise IntegrityError(str(path), [f"optimizer state for unknown parameter {name}"])
-        optimizer.state[params[name]][field] = tensor
+    unknown = sorted({n for rows in index["shards"].values() for n in rows} - set(params))
+    if unknown:
+        raise IntegrityError(str(folder), [f"optimizer state for unknown parameter {unknown[0]}"])
+    files = {name: safe_open(str(folder / name), "pt") for name in index["shards"]}
+    for name, param in params.items():
+        state = _read_rows(files, index["shards"], name, *local_rows(param))
+        if state:
+            optimizer.state[param].update({k: _like(param, v) for k, v in state.items()})
+    return True
+
+
+def _read_rows(files: dict[str, Any], shards: dict[str, dict[str, list[int]]], name: str, start: int,
+               stop: int) -> dict[str, torch.Tensor]:
+    """Rows ``[start, stop)`` of each state field of ``name``, joined from the shards that hold them."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    got = start
+    for file, rows in sorted(shards.items(), key=lambda item: item[1].get(name, [0])[0]):
+        if name not in rows:
+            continue
+        lo, hi = rows[name][0], rows[name][1]
+        a, b = max(lo, got), min(hi, stop)
+        handle = files[file]
+        for key in (k for k in handle.keys() if k.startswith(f"{name}::")):
+            field = key.rsplit("::", 1)[1]
+            view = handle.get_slice(key)
+            if not view.get_shape():  # a scalar (AdamW's step): the same in every shard
+                parts.setdefault(field, [handle.get_tensor(key)])
+            elif b > a:
+                parts.setdefault(field, []).append(view[a - lo : b - lo])
+        got = max(got, b)
+    if parts and got < stop:
+        raise IntegrityError(name, [f"optimizer state of {name} lacks rows [{got}, {stop})"])
+    return {field: t[0] if t[0].dim() == 0 else torch.cat(t) for field, t in parts.items()}
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A state tensor placed as ``param`` is: a DTensor shard for fsdp2, a plain tensor otherwise."""
+    if value.dim() == 0 or not hasattr(param, "device_mesh"):
+        return value.to(_local(param).device)
+    from torch.distributed.tensor import DTensor
+
+    local = value.to(param.to_local().device)
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

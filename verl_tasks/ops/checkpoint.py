@@ -16,9 +16,9 @@ from typing import Any
 
 from verl_tasks.errors import ConfigError, IntegrityError, StoreError
 from verl_tasks.layout import Layout
-from verl_tasks.models.checkpoint import load_policy, refuse_pickles
+from verl_tasks.models.checkpoint import OPTIMIZER_INDEX, check_optimizer_index, load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
-from verl_tasks.store.conventions import TRAINING_ONLY, WEIGHTS, read_best, snapshot_versions
+from verl_tasks.store.conventions import TRAINING_ONLY, WEIGHTS, is_optimizer_state, read_best, snapshot_versions
 from verl_tasks.store.units import CommitRecord, download, is_pruned, read_json, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ def forward_check(folder: Path) -> list[str]:
 
 
 def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
-    """Hash every file against the manifest, then (``forward``) load the weights and run a forward pass."""
+    """Hash every file (each optimizer shard too) against the manifest, check the optimizer index covers
+    every parameter, then (``forward``) load the weights and run a forward pass."""
 
     try:
         record = read_marker(ref.store, ref.unit)
@@ -131,11 +132,18 @@ def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
     size = sum(e.size for e in record.files.values())
     if is_pruned(ref.store, ref.unit):
         return Verdict(ref.version, ref.unit, True, "PRUNED", ["weights deleted by retention (metadata kept)"], sha, size)
-    problems = verify_unit(ref.store, record)
+    problems = verify_unit(ref.store, record) or optimizer_problems(ref, record)
     if not problems and forward:
         with tempfile.TemporaryDirectory() as tmp:
             problems = forward_check(fetch(ref, record, Path(tmp)))
     return Verdict(ref.version, ref.unit, not problems, "OK" if not problems else "FAILED", problems, sha, size)
+
+
+def optimizer_problems(ref: SnapshotRef, record: CommitRecord) -> list[str]:
+    """Every optimizer shard the index names is in the snapshot, and each parameter's rows are covered once."""
+    if OPTIMIZER_INDEX not in record.files:
+        return []
+    return check_optimizer_index(read_json(ref.store, record, OPTIMIZER_INDEX), set(record.files))
 
 
 def inspect(ref: SnapshotRef) -> dict[str, Any]:
@@ -183,7 +191,7 @@ def export_hf(ref: SnapshotRef, target: Path) -> list[Path]:
     target = Path(target)
     if target.exists() and any(target.iterdir()):
         raise StoreError(f"{target} exists and is not empty; choose a new folder")
-    names = [n for n in sorted(record.files) if n not in TRAINING_ONLY]
+    names = [n for n in sorted(record.files) if n not in TRAINING_ONLY and not is_optimizer_state(n)]
     with tempfile.TemporaryDirectory(dir=target.parent if target.parent.exists() else None) as tmp:
         folder = fetch(ref, record, Path(tmp) / "export", names)
         problems = forward_check(folder)

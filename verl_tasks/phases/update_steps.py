@@ -1,19 +1,18 @@
-"""The arithmetic of one update: minibatch order, the minibatch loss, the single-process loop.
+"""The arithmetic of one update: the batch, minibatch order, the minibatch loss, the single-process loop.
 
-Shared by the one-process update (``phases/update.py``) and the data-parallel
-workers (``phases/update_parallel.py``), so both compute the same loss the same way.
+Shared by the one-process update (``phases/update.py``) and the Ray Train workers
+(``train/worker.py``), so both compute the same loss the same way.
 Shapes: ``B`` sequences, ``L`` padded sequence length, ``R`` response tokens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from verl_tasks.algos import aggregate_loss, entropy_from_logits, kl_penalty, lr_at, policy_loss_vanilla, schedule_of
+from verl_tasks.algos import (aggregate_loss, entropy_from_logits, grpo_outcome_advantage, kl_penalty, lr_at,
+                              policy_loss_vanilla, schedule_of)
 from verl_tasks.config import AlgorithmConfig
 
 DATA_KEYS = ("input_ids", "attention_mask", "positions", "response_ids", "response_mask")
@@ -36,24 +35,50 @@ class UpdateInputs:
     def __len__(self) -> int:
         return self.advantages.size(0)
 
-    def save(self, path: Path) -> None:
-        """Write as safetensors (workers read it back with ``load``; nothing is pickled)."""
-        tensors = {**self.data, "advantages": self.advantages}
-        if self.old_logp is not None:
-            tensors["old_logp"] = self.old_logp
-        if self.ref_logp is not None:
-            tensors["ref_logp"] = self.ref_logp
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    def to(self, device: torch.device) -> "UpdateInputs":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return UpdateInputs({k: v.to(device) for k, v in self.data.items()}, move(self.old_logp),
+                            self.advantages.to(device), move(self.ref_logp))
 
-    @classmethod
-    def load(cls, path: Path) -> "UpdateInputs":
-        tensors = load_file(str(path))
-        return cls(
-            data={key: tensors[key] for key in DATA_KEYS},
-            old_logp=tensors.get("old_logp"),
-            advantages=tensors["advantages"],
-            ref_logp=tensors.get("ref_logp"),
-        )
+
+def collate(samples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids [B, L]``, ``attention_mask [B, L]``, response positions ``[B, R]``."""
+    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    width = max(lengths)
+    resp_width = max(1, max(len(s["response_ids"]) for s in samples))
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(samples), width), dtype=torch.long)
+    positions = torch.zeros((len(samples), resp_width), dtype=torch.long)
+    response_mask = torch.zeros((len(samples), resp_width))
+    response_ids = torch.full((len(samples), resp_width), pad_id, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids = s["prompt_ids"] + s["response_ids"]
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        n_prompt, n_resp = len(s["prompt_ids"]), len(s["response_ids"])
+        if n_resp:
+            positions[i, :n_resp] = torch.arange(n_prompt - 1, n_prompt - 1 + n_resp)
+            response_mask[i, :n_resp] = 1
+            response_ids[i, :n_resp] = torch.tensor(s["response_ids"])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "positions": positions,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
+
+
+def epoch_inputs(samples: list[dict[str, Any]], pad_id: int, norm_adv_by_std: bool) -> UpdateInputs:
+    """The collated batch and its GRPO advantages (from the outcome scores); log-probs not yet computed."""
+    data = collate(samples, pad_id)
+    mask = data["response_mask"]
+    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+    token_rewards = torch.zeros_like(mask)
+    last = (mask.sum(-1).long() - 1).clamp_min(0)
+    token_rewards[torch.arange(len(samples)), last] = scores
+    advantages = grpo_outcome_advantage(token_rewards, mask, [s["prompt_id"] for s in samples], norm_adv_by_std)
+    return UpdateInputs(data, None, advantages, None)
 
 
 def response_logprobs(

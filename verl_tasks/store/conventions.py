@@ -31,6 +31,11 @@ KEEP_WHEN_PRUNED = (METRICS, TRAINER_STATE)
 TRAINING_ONLY = (OPTIMIZER, TRAINER_STATE)
 
 
+def is_optimizer_state(name: str) -> bool:
+    """``optimizer.safetensors``, fsdp2's per-worker shards and their index (``optimizer.json``)."""
+    return name.startswith("optimizer.")
+
+
 def read_latest(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
     """The ``latest.json`` pointer (``version``, ``unit``, ``attempt``, ``weights_sha256``, ``uri``), or None."""
     try:

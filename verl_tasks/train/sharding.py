@@ -1,0 +1,154 @@
+"""The model one update worker trains: replicated (DDP) or sharded per transformer block (FSDP2).
+
+FSDP2 never materialises the whole model on a worker: parameters are created on the
+``meta`` device, sharded (``fully_shard`` on every transformer block, then the root),
+allocated, and each worker reads only its rows of every weight from the safetensors
+file. Writing the trained weights goes the other way, one parameter at a time: all
+ranks gather it, rank 0 appends it to a safetensors file whose header it wrote first,
+so at most one full parameter is in memory besides the shards.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from verl_tasks.config import MixedPrecision, Resources
+from verl_tasks.errors import IntegrityError
+from verl_tasks.models.checkpoint import WEIGHTS, local_rows, refuse_pickles
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def replicated(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model wrapped in DistributedDataParallel: gradients averaged over the workers by the framework."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model.to(device)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def sharded(folder: Path, dtype: str, device: torch.device, world_size: int, res: Resources) -> torch.nn.Module:
+    """Policy ``folder`` as an FSDP2 model: parameters, gradients and optimizer state sharded over the workers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    refuse_pickles(folder)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}  # computed at init, not stored
+    options = fsdp_options(res, init_device_mesh(device.type, (world_size,)))
+    for block in transformer_blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    model.to_empty(device="cpu" if res.cpu_offload else device)
+    with torch.no_grad():
+        load_local_rows(model, folder)
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+    return model
+
+
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device (no memory); buffers stay real (rotary tables are made at init)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":  # tied weights arrive on meta already
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def fsdp_options(res: Resources, mesh: Any) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments from ``resources.update`` (mixed precision, CPU offload)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    options: dict[str, Any] = {"mesh": mesh}
+    if res.mixed_precision != MixedPrecision.none:
+        compute = torch.bfloat16 if res.mixed_precision == MixedPrecision.bf16 else torch.float16
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    if res.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    return options
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (HF's ``_no_split_modules``: e.g. ``LlamaDecoderLayer``), each one FSDP unit."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no transformer block class (_no_split_modules); "
+                         f"fsdp2 shards per block: use strategy: ddp for this model")
+    return blocks
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Which safetensors file of an HF folder holds each tensor (one file, or HF's sharded index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    with safe_open(str(folder / WEIGHTS), "pt") as f:
+        return {name: folder / WEIGHTS for name in f.keys()}
+
+
+def load_local_rows(model: torch.nn.Module, folder: Path) -> None:
+    """Copy this worker's rows of every parameter from the folder's safetensors files (nothing else is read)."""
+    files = weight_files(folder)
+    handles: dict[Path, Any] = {}
+    for name, param in model.named_parameters():
+        if name not in files:
+            raise IntegrityError(str(folder), [f"{name} is not in the policy's weights"])
+        path = files[name]
+        handle = handles.get(path) or handles.setdefault(path, safe_open(str(path), "pt"))
+        start, stop = local_rows(param)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        local.copy_(handle.get_slice(name)[start:stop])
+
+
+def write_full_weights(model: torch.nn.Module, path: Path | None) -> None:
+    """Gather the full weights one parameter at a time; the writer (``path`` given) streams them to safetensors.
+
+    Every worker must call this (each parameter is an all-gather); only one passes a path.
+    Parameters as ``named_parameters`` lists them: a tied weight once, as HF saves it.
+    """
+    params = list(model.named_parameters())
+    out = open(path, "wb") if path is not None else None
+    try:
+        if out is not None:
+            out.write(_header(params))
+        with torch.no_grad():
+            for _name, param in params:
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+                if out is not None:
+                    out.write(full.cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+                del full
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _header(params: list[tuple[str, torch.Tensor]]) -> bytes:
+    """The safetensors header (length prefix + JSON, padded to 8 bytes) for tensors written in this order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, param in params:
+        size = param.numel() * param.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[param.dtype], "shape": list(param.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
