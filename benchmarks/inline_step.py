@@ -147,9 +147,23 @@ def measure(repeats: int, batches: int, work: Path) -> dict:
         inline.step()
         inline_ms.append((time.perf_counter() - started) * 1000)
     hand_median, inline_median = statistics.median(hand_ms), statistics.median(inline_ms)
+    phases = phase_split(inline.ctx, range(1, repeats + 1))
     return {"batches": batches, "prompts_per_batch": PROMPTS // batches, "hand_ms": round(hand_median, 1),
             "inline_ms": round(inline_median, 1), "ratio": round(inline_median / hand_median, 2),
-            "params": sum(p.numel() for p in hand.model.parameters())}
+            "params": sum(p.numel() for p in hand.model.parameters()), "phases_ms": phases,
+            "validate_share": round(phases["validate"] / inline_median, 3)}
+
+
+def phase_split(ctx, epochs) -> dict[str, float]:
+    """Median ms per epoch of each phase (its units' ``committed`` events' durations, batches summed)."""
+    from verl_tasks.events import read_events
+
+    per_epoch: dict[str, dict[int, float]] = {}
+    for event in read_events(ctx.store, ctx.layout):
+        if event["kind"] == "committed" and event.get("epoch") in epochs:
+            by_epoch = per_epoch.setdefault(event["phase"], {})
+            by_epoch[event["epoch"]] = by_epoch.get(event["epoch"], 0.0) + event["duration_s"] * 1000
+    return {phase: round(statistics.median(v.values()), 1) for phase, v in per_epoch.items()}
 
 
 def main() -> None:
@@ -165,6 +179,9 @@ def main() -> None:
     for r in results:
         print(f"{r['batches']} batch(es) x {r['prompts_per_batch']} prompts x {GROUP} samples, {r['params']} params: "
               f"hand loop {r['hand_ms']} ms, verl-tasks inline epoch {r['inline_ms']} ms, ratio {r['ratio']}x")
+        print("  per phase (median ms per epoch, from the committed events): "
+              + ", ".join(f"{k} {v}" for k, v in r["phases_ms"].items())
+              + f"; validate {r['validate_share']:.0%} of the epoch")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
