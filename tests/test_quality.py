@@ -1,6 +1,8 @@
 """The Great Expectations gate: one context per process, one cheap pass for a good epoch, failures named."""
 from __future__ import annotations
 
+import json
+
 from verl_tasks.quality import suites
 from verl_tasks.quality.suites import Limits, summarize, validate_epoch
 
@@ -42,3 +44,19 @@ def test_epoch_level_and_per_batch_failures():
     assert report["epoch"][0]["observed_value"] == 12
     assert [f["column"] for f in report["batches"]["1"]] == ["batch_nonempty_fraction"]
     assert set(report["batches"]) == {"1"}
+
+
+def test_memoized_configurations_give_the_same_reports_and_leave_ge_as_it_was(monkeypatch):
+    import great_expectations as gx
+
+    plain = gx.expectations.Expectation.__dict__["configuration"]
+    epochs = [{0: _rows(0), 1: _rows(1)},
+              {0: _rows(0, scores=(1.0, None, 3.0, 0.0)), 1: _rows(1, response="")},
+              {0: _rows(0), 1: _rows(1), 2: _rows(2, scores=(0.0, 0.0, -1.0, 0.0))}]
+    fast = [validate_epoch(rows, LIMITS) for rows in epochs]
+    assert gx.expectations.Expectation.__dict__["configuration"] is plain
+    monkeypatch.setattr(suites, "MEMOIZE_CONFIGURATIONS", False)
+    plain_reports = [validate_epoch(rows, LIMITS) for rows in epochs]
+    assert json.dumps(plain_reports, sort_keys=True) == json.dumps(fast, sort_keys=True)  # NaN != NaN in ==
+    assert [r["success"] for r in fast] == [True, False, False]
+    assert {f["column"] for f in fast[1]["batches"]["0"]} == {"score"}
