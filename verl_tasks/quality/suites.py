@@ -92,15 +92,21 @@ def _suite(limits: Limits):
 
 
 def epoch_frame(rows_by_batch: dict[int, list[dict[str, Any]]]):
-    """One frame for the epoch, with ``batch_rows`` and ``batch_nonempty_fraction`` per row."""
+    """One frame for the epoch, with ``batch_rows`` and ``batch_nonempty_fraction`` per row.
+
+    Built column by column (a frame from a list of row dicts, then a group-by, costs several times more).
+    """
     import pandas as pd
 
-    rows = [{"batch": batch, **row} for batch, batch_rows in sorted(rows_by_batch.items()) for row in batch_rows]
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    grouped = frame.groupby("batch")
-    frame["batch_rows"] = grouped["sample_id"].transform("size")
-    frame["batch_nonempty_fraction"] = frame["response"].fillna("").str.len().gt(0).groupby(frame["batch"]).transform("mean")
-    return frame
+    columns: dict[str, list[Any]] = {name: [] for name in (*COLUMNS, "batch_rows", "batch_nonempty_fraction")}
+    for batch, rows in sorted(rows_by_batch.items()):
+        nonempty = sum(1 for row in rows if row.get("response")) / len(rows) if rows else 0.0
+        columns["batch"] += [batch] * len(rows)
+        for name in COLUMNS[1:]:
+            columns[name] += [row.get(name) for row in rows]
+        columns["batch_rows"] += [len(rows)] * len(rows)
+        columns["batch_nonempty_fraction"] += [nonempty] * len(rows)
+    return pd.DataFrame(columns)
 
 
 def validate_epoch(rows_by_batch: dict[int, list[dict[str, Any]]], limits: Limits) -> dict[str, Any]:
