@@ -26,6 +26,13 @@ def fail_once(plan_dir: Path, experiment: str, phase: str, epoch: int, batch: in
     return flag.with_suffix(".failed")
 
 
+def kill_update_worker(plan_dir: Path, experiment: str, epoch: int, rank: int) -> Path:
+    """SIGKILL update worker ``rank`` mid-step in the unit's next attempt; returns the ``.killed`` file it leaves."""
+    flag = Path(plan_dir) / f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}"
+    flag.write_text("kill\n")
+    return flag.with_suffix(".killed")
+
+
 def hold(plan_dir: Path, experiment: str, epoch: int, batch: int) -> Path:
     """Hold the rollout batch in its middle; returns the ``.held`` file that will name its PID."""
     name = unit_name(experiment, "rollout", epoch, batch)

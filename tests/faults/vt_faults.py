@@ -8,7 +8,10 @@ plan is files in that folder, written by the test while those processes run:
 * ``<experiment>.<label>.fail-once``: the next attempt of that unit fails before doing any work;
   the file becomes ``.failed`` (an atomic rename, so exactly one attempt fails);
 * ``<experiment>.<label>.hold``: the unit's rollout writes its PID to ``.held`` after loading the
-  policy and waits there, before generating, until the test removes the hold file.
+  policy and waits there, before generating, until the test removes the hold file;
+* ``<experiment>.e<epoch>-update.kill-rank<r>``: update worker ``r`` (a Ray Train worker) kills
+  itself with SIGKILL in the middle of its first optimizer step (forward done, gradients not yet
+  reduced); the file becomes ``.killed``, so exactly one worker of one attempt dies.
 
 ``label`` is :attr:`verl_tasks.execution.UnitSpec.label`, e.g. ``e0-rollout-b1``. This module is
 imported by top-level name in those processes, so it imports nothing from ``tests``.
@@ -66,9 +69,25 @@ def hold(*, experiment: str, epoch: int, batch: int, **_: Any) -> None:
         time.sleep(0.1)
 
 
+def kill_update_worker(*, experiment: str, epoch: int, rank: int, **_: Any) -> None:
+    """``update_worker_step`` hook: SIGKILL this worker if the plan names its rank (once)."""
+    import signal
+
+    folder = _folder()
+    if folder is None:
+        return
+    flag = folder / f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}"
+    try:
+        os.rename(flag, flag.with_suffix(".killed"))
+    except FileNotFoundError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def install() -> None:
     """Register the hooks in this process (child processes that fork inherit them)."""
     from verl_tasks import hooks
 
     hooks.register("unit_start", fail_once)
     hooks.register("rollout_generate", hold)
+    hooks.register("update_worker_step", kill_update_worker)

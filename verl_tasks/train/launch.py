@@ -20,8 +20,10 @@ import math
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any
 
+import verl_tasks
 from verl_tasks.config import Resources
 from verl_tasks.errors import PhaseFailed
 from verl_tasks.phases.common import PhaseContext
@@ -101,7 +103,11 @@ def ensure_ray(res: Resources) -> None:
 
     # Logical CPUs are a placement count: enough for a later epoch's larger worker count too.
     cpus = max(os.cpu_count() or 1, LOGICAL_CPUS, math.ceil(res.workers * res.num_cpus))
+    # The workers import the code this process runs (a checkout may shadow the installed package).
+    root = str(Path(verl_tasks.__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+             logging_level=logging.WARNING, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     log.info("no Ray cluster connected: started a local Ray (%d logical CPUs) for the update's %d workers; "
              "it stops when this process exits", cpus, res.workers)
