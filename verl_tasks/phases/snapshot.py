@@ -86,9 +86,9 @@ def apply_retention(ctx: PhaseContext, newest: int) -> list[int]:
     protected = keep_best(ctx, newest)
     pruned = []
     for version in range(1, newest - keep + 1):
-        if version in protected:
-            continue
         unit = ctx.layout.snapshot(version)
+        if version in protected or is_pruned(ctx.store, unit):  # one small check per older version and epoch
+            continue
         if is_committed(ctx.store, unit) and prune(ctx, unit, f"retention: keep {keep} snapshots"):
             prune(ctx, ctx.layout.update(version - 1), "retention: weights published and pruned")
             pruned.append(version)
