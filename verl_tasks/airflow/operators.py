@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,6 +51,7 @@ from verl_tasks.layout import Layout
 
 log = logging.getLogger(__name__)
 BACKENDS = ("ray", "ray-driver", "inline")
+_EPOCH_TASK = re.compile(r"^epoch_(\d+)\.")
 
 
 def default_backend() -> str:
@@ -117,7 +119,29 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         started = start_experiment(store, cfg, resume=mode, parent=parent if mode == "snapshot" else None,
                                    version=None if version is None else int(version),
                                    scheduled_parent=cfg.schedule.parent if scheduled else None)
-        return {**started, "epochs": cfg.epochs, "store": cfg.storage.uri}
+        result = {**started, "epochs": cfg.epochs, "store": cfg.storage.uri}
+        self._skip_epochs_beyond(context, cfg.epochs, result)
+        return result
+
+    def _skip_epochs_beyond(self, context: Any, epochs: int, result: dict[str, Any]) -> None:
+        """A run of fewer epochs than the DAG has skips the other epochs' tasks here, all at once.
+
+        Left to trigger rules, Airflow skips them one dependency level per scheduling loop
+        (about 40 s for 6 idle epochs under ``airflow dags test``); their own operators would
+        still skip them if they ran (a Clear of one of them, say).
+        """
+        dag = getattr(self, "dag", None)
+        later = [task.task_id for task in (dag.tasks if dag is not None else [])
+                 if (epoch := epoch_of(task.task_id)) is not None and epoch >= epochs]
+        if not later:
+            return
+        from airflow.sdk.exceptions import DownstreamTasksSkipped
+
+        ti = context.get("ti")
+        if ti is not None:
+            ti.xcom_push(key="return_value", value=result)  # the skip path does not push the return value
+        self.log.info("this run trains %d epoch(s): skipping the %d tasks of the DAG's later epochs", epochs, len(later))
+        raise DownstreamTasksSkipped(tasks=later)
 
 
 class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
@@ -225,23 +249,36 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
                 self.log.info("Ray job %s already committed %s", handle.submission_id, unit)
                 return self._finish(context, cfg, store, record)
             handle = self.ray.submit(cfg, spec, resubmit_succeeded=True)
-        self._job_id = handle.submission_id
-        self.log.info("%s Ray job %s for %s", "submitted" if handle.submitted else "attached to", handle.submission_id, unit)
+        self._defer_on(handle, unit)
+
+    def _defer_on(self, handle, unit: str) -> None:
+        """Wait for the job in the triggerer; ``attached``: this try found the job live, it did not submit it."""
         from verl_tasks.airflow.triggers import RayJobTrigger
 
+        self._job_id = handle.submission_id
+        self.log.info("%s Ray job %s for %s", "submitted" if handle.submitted else "attached to", handle.submission_id, unit)
         self.defer(
             trigger=RayJobTrigger(handle.submission_id, self.ray_conn_id, self.poll_interval, self.ray.retry_s),
             method_name="execute_complete",
-            kwargs={"submission_id": handle.submission_id},
+            kwargs={"submission_id": handle.submission_id, "attached": not handle.submitted},
             timeout=self.execution_timeout,
         )
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None,
-                         submission_id: str | None = None) -> dict[str, Any]:
+                         submission_id: str | None = None, attached: bool = False) -> dict[str, Any]:
         from verl_tasks.store.units import read_marker
 
         event = event or {}
         job_id = event.get("submission_id") or submission_id or "?"
+        if event.get("status") == "STOPPED" and attached:
+            # A Clear re-runs the task at once, often before the triggerer cancels the cleared try's
+            # trigger; this try then found that try's job still running and attached to it, and the
+            # cleared try's on_kill stopped it. That stop was meant for the old try: start the next attempt.
+            cfg, access = self.resolve(context)
+            unit = Layout(cfg.experiment).unit(self.phase, self.epoch, self.batch)
+            self.log.info("Ray job %s, which this try attached to, was stopped (its try was cleared or marked); "
+                          "submitting the next attempt of %s", job_id, unit)
+            return self._defer_on(self.ray.submit(cfg, self._spec(cfg)), unit)
         if event.get("status") != "SUCCEEDED":
             raise_job_error(job_id, event)
         cfg, access = self.resolve(context)
@@ -291,6 +328,12 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             from verl_tasks.execution import driver
 
             driver.cancel(self._running, "the Airflow task was killed (clear, mark failed or timeout)")
+
+
+def epoch_of(task_id: str) -> int | None:
+    """The epoch of a task in an ``epoch_NNN`` task group, else None."""
+    match = _EPOCH_TASK.match(task_id)
+    return int(match.group(1)) if match else None
 
 
 @contextmanager

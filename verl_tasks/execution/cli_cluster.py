@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.phase_registry import PHASE_NAMES
 
 log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 5  # the run's own head: nothing in it outlives the run
 
 
 def cpus_needed(config: ExperimentConfig) -> int:
@@ -56,7 +58,8 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
 
     Everything started here is stopped when ``stack`` closes.
     """
-    if ray_address is None:
+    started_here = ray_address is None
+    if started_here:
         # Ray reads these when it is imported (waiting for the head imports it): loopback, token auth on.
         os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
         from verl_tasks.execution import local_head
@@ -64,8 +67,8 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
         state = Path(tempfile.mkdtemp(prefix="vt-ray-"))
         port, dashboard = _free_ports()
         info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=cpus_needed(config),
-                                cwd=Path.cwd())
-        stack.callback(local_head.stop, state)
+                                cwd=Path.cwd(), dashboard=False)
+        stack.callback(local_head.stop, state, STOP_TIMEOUT_S)
         os.environ.update(info.client_env(), **info.driver_env())
         ray_address = info.gcs_address
         if console is not None:
@@ -74,9 +77,24 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
 
     from verl_tasks.execution import pools
 
-    pools.ensure_connected(ray_address)
+    _connect_when_ready(pools, ray_address)
     stack.callback(ray.shutdown)
+    if started_here:
+        stack.callback(pools.release_experiment, config.experiment)  # its actors first: the head then stops at once
     return pools.run_on_pools
+
+
+def _connect_when_ready(pools: Any, address: str, timeout_s: float = 90) -> None:
+    """``ray.init`` as soon as the head takes drivers (a head just started may still be registering its node)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pools.ensure_connected(address)
+            return
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 __all__ = ["connect", "cpus_needed"]

@@ -232,6 +232,18 @@ def _named_actors() -> list[str]:
             if not isinstance(entry, dict) or entry.get("namespace") == NAMESPACE]
 
 
+def release_experiment(experiment: str) -> list[str]:
+    """Kill every pool actor of ``experiment`` now (the end of a run on its own head). Returns their names."""
+    prefix = f"{PREFIX}{experiment}:"
+    names = [name for name in _named_actors() if name.startswith(prefix)]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:  # exited meanwhile
+            continue
+    return names
+
+
 def pool_actors(shape: PoolShape) -> list[Any]:
     """The pool's actors, created (and left to Ray to place) when missing."""
     return [PoolWorker.options(**shape.actor_options(i)).remote(shape.kind, shape.idle_release_s)
@@ -415,5 +427,5 @@ def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, a
     return unit
 
 
-__all__ = ["PoolShape", "PoolWorker", "dispatch", "submit", "wait", "run_unit", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
+__all__ = ["PoolShape", "PoolWorker", "dispatch", "release_experiment", "submit", "wait", "run_unit", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
            "NAMESPACE"]
