@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -16,7 +17,12 @@ class LocalStore(ObjectStore):
     renamed (or hard-linked, for put-if-absent) into place, so a reader or a
     crash never sees half a file under its final name; the folder is fsynced
     after, so a committed marker survives a power loss. Files and folders get
-    the usual modes under the umask (group-readable on a shared volume)."""
+    the usual modes under the umask (group-readable on a shared volume).
+
+    An attempt's files (keys under ``/.attempts/``) are invisible until a marker
+    names them, so their folders' fsyncs wait for the next marker write
+    (``put_if_absent`` syncs every such folder first): a unit of N files costs
+    N + a few fsyncs instead of 2N. Each file's data is still fsynced as it is written."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
@@ -25,21 +31,21 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _makedirs(self, folder: Path) -> None:
-        """Create ``folder`` and missing parents, fsyncing each new entry's parent."""
+    def _makedirs(self, folder: Path, later: bool = False) -> None:
+        """Create ``folder`` and missing parents, fsyncing each new entry's parent (``later``: at the next marker)."""
         if folder.is_dir():
             return
-        self._makedirs(folder.parent)
+        self._makedirs(folder.parent, later)
         try:
             folder.mkdir()
         except FileExistsError:
             return
-        _fsync_dir(folder.parent)
+        _sync_dir(folder.parent, later)
 
     def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None,
-                    sync: bool = True) -> Path:
+                    sync: bool = True, later: bool = False) -> Path:
         if sync:
-            self._makedirs(target.parent)
+            self._makedirs(target.parent, later)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
@@ -66,9 +72,9 @@ class LocalStore(ObjectStore):
         return Path(tmp)
 
     def put(self, key: str, data: bytes) -> None:
-        target = self._path(key)
-        os.replace(self._write_temp(target, data), target)
-        _fsync_dir(target.parent)
+        target, later = self._path(key), _invisible(key)
+        os.replace(self._write_temp(target, data, later=later), target)
+        _sync_dir(target.parent, later)
 
     def put_log(self, key: str, data: bytes) -> None:
         """Like ``put`` (temp file renamed into place) without the fsyncs: events are telemetry."""
@@ -76,12 +82,13 @@ class LocalStore(ObjectStore):
         os.replace(self._write_temp(target, data, sync=False), target)
 
     def put_file(self, key: str, path: Path) -> None:
-        target = self._path(key)
-        os.replace(self._write_temp(target, source=Path(path)), target)
-        _fsync_dir(target.parent)
+        target, later = self._path(key), _invisible(key)
+        os.replace(self._write_temp(target, source=Path(path), later=later), target)
+        _sync_dir(target.parent, later)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         target = self._path(key)
+        sync_deferred()  # the files a marker names are durable before the marker can be
         tmp = self._write_temp(target, data)
         try:
             os.link(tmp, target)
@@ -178,6 +185,39 @@ class LocalStore(ObjectStore):
         if not source.is_file():
             raise NotFound(src)
         self.put_file(dst, source)
+
+
+# Folders with new entries (attempt files, their new folders) not yet fsynced, process-wide: a
+# marker may be written through another LocalStore object than its files were.
+_DEFERRED: set[Path] = set()
+_DEFERRED_LOCK = threading.Lock()
+
+
+def _invisible(key: str) -> bool:
+    """True for an attempt's files: no reader looks at them until a marker names them."""
+    return "/.attempts/" in key
+
+
+def _sync_dir(folder: Path, later: bool) -> None:
+    if later:
+        with _DEFERRED_LOCK:
+            _DEFERRED.add(folder)
+    else:
+        _fsync_dir(folder)
+
+
+def sync_deferred() -> int:
+    """Fsync every folder whose new entries were deferred; returns how many. Held under the lock
+    while syncing, so a marker writer that finds the set empty knows the folders are on disk."""
+    with _DEFERRED_LOCK:
+        for folder in sorted(_DEFERRED, key=lambda f: len(f.parts), reverse=True):
+            try:
+                _fsync_dir(folder)
+            except FileNotFoundError:  # a discarded attempt: nothing to make durable
+                pass
+        synced = len(_DEFERRED)
+        _DEFERRED.clear()
+    return synced
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -1,0 +1,53 @@
+"""The local store's fsync order: an attempt's folders are synced once, and before its marker exists."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from verl_tasks.store import local
+from verl_tasks.store import open_store
+from verl_tasks.store.units import UnitWriter, read_marker
+
+UNIT = "exp/epochs/00000/rollout/b0000"
+
+
+def test_attempt_folders_are_synced_once_and_before_the_marker(tmp_path, monkeypatch):
+    store = open_store(f"file://{tmp_path}/store")
+    trail: list[tuple[str, str]] = []
+    real_fsync_dir, real_link = local._fsync_dir, os.link
+    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (trail.append(("fsync_dir", str(folder))),
+                                                            real_fsync_dir(folder))[1])
+    monkeypatch.setattr(os, "link", lambda src, dst: (trail.append(("link", str(dst))), real_link(src, dst))[1])
+    writer = UnitWriter(store, UNIT)
+    for i in range(5):
+        writer.write_bytes(f"part{i}.jsonl", b"{}\n" * (i + 1))
+    assert trail == [], f"attempt files fsynced their folders before the commit: {trail}"
+    record, won = writer.commit({})
+    assert won and read_marker(store, UNIT).attempt == record.attempt
+    attempt_dir = str(store.root / UNIT / ".attempts" / record.attempt)
+    link_at = trail.index(("link", str(store.root / UNIT / "_SUCCESS")))
+    synced_before = [folder for op, folder in trail[:link_at] if op == "fsync_dir"]
+    assert synced_before.count(attempt_dir) == 1, trail  # once for five files
+    for folder in (store.root / UNIT / ".attempts", store.root / UNIT, store.root / "exp/epochs/00000/rollout"):
+        assert str(folder) in synced_before, f"{folder} (a new folder's parent) not synced before the marker: {trail}"
+    assert ("fsync_dir", str(store.root / UNIT)) in trail[link_at:]  # the marker's own entry
+    assert local._DEFERRED == set()
+
+
+def test_a_plain_put_still_syncs_its_folder_at_once(tmp_path, monkeypatch):
+    store = open_store(f"file://{tmp_path}/store")
+    synced: list[Path] = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(Path(folder)), real(folder))[1])
+    store.put("exp/snapshots/latest.json", b"{}")
+    assert store.root / "exp/snapshots" in synced
+
+
+def test_a_discarded_attempt_does_not_break_the_next_commit(tmp_path):
+    store = open_store(f"file://{tmp_path}/store")
+    lost = UnitWriter(store, UNIT)
+    lost.write_bytes("a.jsonl", b"{}\n")
+    lost.discard()  # its folders are gone, still listed as deferred
+    writer = UnitWriter(store, "exp/epochs/00000/plan")
+    writer.write_json("plan.json", {})
+    assert writer.commit({})[1]
