@@ -60,3 +60,25 @@ def test_memoized_configurations_give_the_same_reports_and_leave_ge_as_it_was(mo
     assert json.dumps(plain_reports, sort_keys=True) == json.dumps(fast, sort_keys=True)  # NaN != NaN in ==
     assert [r["success"] for r in fast] == [True, False, False]
     assert {f["column"] for f in fast[1]["batches"]["0"]} == {"score"}
+
+
+def test_warm_up_in_a_background_thread_builds_the_one_context_a_validation_then_uses():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import threading\n"
+        "from verl_tasks.quality import suites\n"
+        "warm = threading.Thread(target=suites.warm_up)\n"
+        "warm.start()\n"
+        "rows = {0: [{'sample_id': f's{i}', 'response': 'x', 'prompt_tokens': 3, 'response_tokens': 1,"
+        " 'score': 1.0} for i in range(4)]}\n"
+        "report = suites.validate_epoch(rows, suites.Limits(4, 4, 8, 8, 0.0, 1.0, 0.5))\n"
+        "warm.join()\n"
+        "print(report['success'], suites.COUNTS['contexts'], suites.COUNTS['passes'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "1", "1"], out.stdout

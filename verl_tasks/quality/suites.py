@@ -84,6 +84,14 @@ def _batch_definition():
     return _CACHE["definition"]
 
 
+def warm_up() -> None:
+    """Import Great Expectations and build the process's context now (seconds), e.g. in a background
+    thread of a worker that will validate later, so its first ``validate_epoch`` finds them ready."""
+    _gx()
+    with _LOCK:
+        _batch_definition()
+
+
 def _suite(limits: Limits):
     key = ("suite", limits)
     if key not in _CACHE:
