@@ -111,3 +111,15 @@ def test_yaml_date_as_experiment_name_says_to_quote_it(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert 'YAML read 2026-11-30 as a date, not text; quote it: experiment: "2026-11-30"' in str(err.value)
+
+
+def test_a_sharded_engine_must_be_vllm_and_get_as_many_gpus_as_shards(tiny_config):
+    from verl_tasks.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs rollout.engine: vllm"):
+        tiny_config(**{"rollout.tensor_parallel_size": 2, "resources.rollout.num_gpus": 2})
+    with pytest.raises(ConfigError, match="set resources.rollout.num_gpus: 2"):
+        tiny_config(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2})
+    cfg = tiny_config(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "resources.rollout.num_gpus": 2})
+    assert cfg.rollout.tensor_parallel_size == 2
+    assert "tensor_parallel_size" not in tiny_config().hashed_view()["rollout"]  # pins made before it stay valid

@@ -281,3 +281,29 @@ def test_operator_as_a_ray_driver_runs_its_unit_and_on_kill_stops_it(gpu_head, t
     assert read_marker(store, unit) is None
     retried = operator("rollout", 1).execute(ctx)
     assert retried["attempt"] != attempt and read_marker(store, unit).attempt == retried["attempt"]
+
+
+def test_a_sharded_engine_worker_holds_its_gpus_as_one_placement_group(gpu_head, tiny_config, tmp_path):
+    """``rollout.tensor_parallel_size: 2``: each rollout worker reserves 2 GPUs on one node as a placement group
+    (vLLM's shard workers are placed in it), and an idle worker gives them back."""
+    import ray
+    from ray.util.placement_group import get_placement_group, placement_group_table
+
+    from verl_tasks.execution import pools
+
+    wait_until("both logical GPUs to be free", lambda: ray.available_resources().get("GPU", 0) == 2)
+    cfg = tiny_config(f"file://{tmp_path}/store", **{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2,
+                                                      "resources.rollout.num_gpus": 2,
+                                                      "resources.rollout.idle_release_s": 3})
+    shape = pools.PoolShape.for_phase(cfg, "rollout")
+    [actor] = pools.pool_actors(shape)
+    state = ray.get(actor.state.remote(), timeout=240)
+    assert state["gpu_ids"] == []  # the actor holds nothing itself: the group does
+    table = placement_group_table(get_placement_group(f"{shape.actor_name(0)}:pg"))
+    assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED", table
+    assert list(table["bundles"].values()) == [{"GPU": 1.0, "CPU": 0.5}] * 2, table
+    assert ray.available_resources().get("GPU", 0) == 0
+    wait_until("the idle worker to give both GPUs back", lambda: ray.available_resources().get("GPU", 0) == 2,
+               timeout_s=120)
+    with pytest.raises(ValueError):
+        get_placement_group(f"{shape.actor_name(0)}:pg")

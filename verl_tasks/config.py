@@ -31,7 +31,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Hashed keys added after experiments were pinned: left out of the hash at these defaults, so
 # those experiments (trained without them) still resume.
 ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps": 0,
-                    "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0}
+                    "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1}
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
@@ -204,6 +204,8 @@ class RolloutConfig(Strict):
     batches_per_epoch: int = Field(4, gt=0)
     prompts_per_batch: int = Field(16, gt=0)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm only")
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm only: GPUs per engine, each rollout worker then "
+                                                           "holds a placement group of that many GPU bundles")
 
 
 class RewardsConfig(Strict):
@@ -371,6 +373,21 @@ class ExperimentConfig(Strict):
             if phase != "update" and "strategy" in value[phase].model_fields_set:
                 raise ValueError(f"resources.{phase}.strategy: only the update phase has a strategy")
         return value
+
+    @model_validator(mode="after")
+    def _engine_fits_its_gpus(self) -> "ExperimentConfig":
+        tp = self.rollout.tensor_parallel_size
+        if tp == 1:
+            return self
+        if self.rollout.engine != "vllm":
+            raise ValueError(f"rollout.tensor_parallel_size={tp} needs rollout.engine: vllm (the hf engine runs on "
+                             f"one device); set the engine or tensor_parallel_size: 1")
+        gpus = self.phase_resources("rollout").num_gpus
+        if gpus != tp:
+            raise ValueError(f"rollout.tensor_parallel_size={tp} shards each engine over {tp} GPUs, but "
+                             f"resources.rollout.num_gpus={gpus:g}; set resources.rollout.num_gpus: {tp} (GPUs per "
+                             f"rollout worker)")
+        return self
 
     @model_validator(mode="after")
     def _minibatch_fits(self) -> "ExperimentConfig":

@@ -80,20 +80,23 @@ class PoolShape:
     custom: tuple[tuple[str, float], ...]
     workers: int
     idle_release_s: float
+    gpu_bundles: int = 0  # > 1: each actor holds a placement group of this many 1-GPU bundles (a sharded engine)
 
     @classmethod
     def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
         """The pool of ``phase``; an update on Ray Train is one driver actor that holds no GPUs, memory or
-        custom resources: its Ray Train workers reserve those, so the driver never holds what they wait for."""
+        custom resources: its Ray Train workers reserve those, so the driver never holds what they wait for.
+        A rollout engine sharded over ``tensor_parallel_size`` GPUs gets them as a placement group."""
         res: Resources = config.phase_resources(phase)
         if phase == "update" and res.distributed:
             return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s)
+        bundles = config.rollout.tensor_parallel_size if phase == "rollout" else 1
         return cls(config.experiment, pool_kind(phase), res.num_cpus, res.num_gpus, res.memory_mb,
-                   tuple(sorted(res.custom.items())), res.workers, res.idle_release_s)
+                   tuple(sorted(res.custom.items())), res.workers, res.idle_release_s, bundles if bundles > 1 else 0)
 
     @property
     def digest(self) -> str:
-        body = json.dumps([self.num_cpus, self.num_gpus, self.memory_mb, self.custom], sort_keys=True)
+        body = json.dumps([self.num_cpus, self.num_gpus, self.memory_mb, self.custom, self.gpu_bundles], sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:8]
 
     @property
@@ -112,7 +115,34 @@ class PoolShape:
             options["memory"] = int(self.memory_mb * 1024 * 1024)
         if self.custom:
             options["resources"] = dict(self.custom)
+        if self.gpu_bundles:
+            options.update(self._in_placement_group(index, options))
         return options
+
+    def placement_bundles(self) -> list[dict[str, float]]:
+        """One bundle per engine shard, on one node (STRICT_PACK): 1 GPU, its share of CPUs, memory, custom."""
+        n = self.gpu_bundles
+        bundle: dict[str, float] = {"GPU": 1.0, "CPU": self.num_cpus / n}
+        if self.memory_mb:
+            bundle["memory"] = float(int(self.memory_mb * 1024 * 1024 / n))
+        bundle.update({name: amount / n for name, amount in self.custom})
+        return [dict(bundle) for _ in range(n)]
+
+    def _in_placement_group(self, index: int, options: dict[str, Any]) -> dict[str, Any]:
+        """The actor holds nothing itself: it runs in bundle 0 of its own named, detached placement group,
+        and what it starts (vLLM's shard workers) is placed in the group too (captured child tasks)."""
+        from ray.util.placement_group import get_placement_group, placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        name = f"{self.actor_name(index)}:pg"
+        try:
+            group = get_placement_group(name)
+        except ValueError:
+            group = placement_group(self.placement_bundles(), strategy="STRICT_PACK", name=name, lifetime="detached")
+        options.pop("memory", None)
+        options.pop("resources", None)
+        return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
 
 
 class _Capture(logging.Handler):
@@ -193,8 +223,21 @@ class PoolWorker:
             idle = self._busy is None and not self._run_lock.locked()
             if idle and (self._retired or time.monotonic() - self._last_used > self.idle_release_s):
                 log.info("%s worker exits (%s)", self.kind, "retired" if self._retired else "idle")
+                release_placement_group(ray.get_runtime_context().get_actor_name())
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
+
+
+def release_placement_group(actor_name: str | None) -> None:
+    """Free the GPUs a sharded-engine actor's placement group holds (it outlives the actor otherwise)."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    if not actor_name:
+        return
+    try:
+        remove_placement_group(get_placement_group(f"{actor_name}:pg"))
+    except ValueError:  # the actor had none
+        return
 
 
 def ensure_connected(address: str | None = None) -> None:
@@ -240,7 +283,8 @@ def release_experiment(experiment: str) -> list[str]:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         except ValueError:  # exited meanwhile
-            continue
+            pass
+        release_placement_group(name)
     return names
 
 

@@ -135,11 +135,13 @@ class EngineOptions:
 
     gpu_memory_utilization: float = 0.5
     dtype: str = "float32"
+    tensor_parallel_size: int = 1
 
 
 def engine_options(config: Any) -> EngineOptions:
     """The engine settings of an experiment config."""
-    return EngineOptions(config.rollout.gpu_memory_utilization, config.model.dtype)
+    return EngineOptions(config.rollout.gpu_memory_utilization, config.model.dtype,
+                         config.rollout.tensor_parallel_size)
 
 
 _VLLM: dict[str, Any] = {}  # one engine per process: {"engine", "key", "path"}
@@ -170,8 +172,11 @@ def _vllm_engine(path: str, options: EngineOptions, on_engine: Callable[[str], N
         except Exception as err:  # noqa: BLE001 - an engine without in-place reload is rebuilt
             log.warning("vLLM engine could not reload weights in place (%s); building a new one", err)
     _VLLM.clear()
+    sharded = options.tensor_parallel_size > 1  # its workers go into the pool actor's placement group
     engine = LLM(model=path, seed=0, enforce_eager=True, dtype=options.dtype,
-                 gpu_memory_utilization=options.gpu_memory_utilization)
+                 gpu_memory_utilization=options.gpu_memory_utilization,
+                 tensor_parallel_size=options.tensor_parallel_size,
+                 distributed_executor_backend="ray" if sharded else None)
     _VLLM.update(engine=engine, key=key, path=path)
     if on_engine:
         on_engine("built")
