@@ -2,7 +2,8 @@
 
 Each experiment has, per phase kind (``rollout``, ``score``, ``update``, ``evaluate``,
 and ``light`` for plan, validate and snapshot), a pool of ``resources.<phase>.workers``
-named, detached actors, created with that phase's ``num_cpus``, ``num_gpus``,
+named, detached actors (phases that reserve no GPU and the same resources share one
+``cpu`` pool, whose actor ``i`` serves each of them), created with that phase's ``num_cpus``, ``num_gpus``,
 ``memory_mb`` and custom resources, so Ray places each on a node that has them
 and the GPUs a unit computes on are the ones its actor reserved. An actor keeps
 its process warm (torch imported, the policy loaded and keyed by the snapshot's
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 NAMESPACE = "verl-tasks"
 PREFIX = "vt:"  # ":" never occurs in an experiment name, so prefixes never overlap
 LIGHT = ("plan", "validate", "snapshot")
+# Phases without GPUs whose resources are equal share one pool: one warm process holds the policy the
+# update trained for the evaluation and the next rollout, instead of one process per phase kind each
+# loading it (GPU phases keep a pool per kind: a rollout engine and a trainer do not share a device).
+CPU_KIND = "cpu"
 STATE_WAIT_S = 0.2
 STATE_POLL_S = 0.5
 ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -91,7 +96,8 @@ class PoolShape:
         if phase == "update" and res.distributed:
             return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s)
         bundles = config.rollout.tensor_parallel_size if phase == "rollout" else 1
-        return cls(config.experiment, pool_kind(phase), res.num_cpus, res.num_gpus, res.memory_mb,
+        kind = CPU_KIND if res.num_gpus == 0 and bundles == 1 else pool_kind(phase)
+        return cls(config.experiment, kind, res.num_cpus, res.num_gpus, res.memory_mb,
                    tuple(sorted(res.custom.items())), res.workers, res.idle_release_s, bundles if bundles > 1 else 0)
 
     @property
