@@ -148,10 +148,20 @@ def measure(repeats: int, batches: int, work: Path) -> dict:
         inline_ms.append((time.perf_counter() - started) * 1000)
     hand_median, inline_median = statistics.median(hand_ms), statistics.median(inline_ms)
     phases = phase_split(inline.ctx, range(1, repeats + 1))
-    return {"batches": batches, "prompts_per_batch": PROMPTS // batches, "hand_ms": round(hand_median, 1),
+    loads = policy_loads(inline.ctx, range(1, repeats + 1))
+    return {"policy_loads": loads, "batches": batches, "prompts_per_batch": PROMPTS // batches, "hand_ms": round(hand_median, 1),
             "inline_ms": round(inline_median, 1), "ratio": round(inline_median / hand_median, 2),
             "params": sum(p.numel() for p in hand.model.parameters()), "phases_ms": phases,
             "validate_share": round(phases["validate"] / inline_median, 3)}
+
+
+def policy_loads(ctx, epochs) -> int:
+    """``policy_loaded`` events recorded while the timed epochs ran (a warm process records none)."""
+    from verl_tasks.events import read_events
+
+    events = read_events(ctx.store, ctx.layout)
+    spans = [e["time"] for e in events if e["kind"] == "started" and e.get("epoch") in epochs]
+    return sum(1 for e in events if e["kind"] == "policy_loaded" and spans and min(spans) <= e["time"])
 
 
 def phase_split(ctx, epochs) -> dict[str, float]:
@@ -181,7 +191,7 @@ def main() -> None:
               f"hand loop {r['hand_ms']} ms, verl-tasks inline epoch {r['inline_ms']} ms, ratio {r['ratio']}x")
         print("  per phase (median ms per epoch, from the committed events): "
               + ", ".join(f"{k} {v}" for k, v in r["phases_ms"].items())
-              + f"; validate {r['validate_share']:.0%} of the epoch")
+              + f"; validate {r['validate_share']:.0%} of the epoch; policy loads {r['policy_loads']}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
