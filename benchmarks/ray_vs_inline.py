@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,20 @@ def timed_run(store: str, epochs: int, backend: str) -> tuple[float, str]:
     return took, status["latest_snapshot"]["weights_sha256"]
 
 
+def policy_loads(store: str) -> dict[str, float]:
+    """From the run's events: policy loads in all, per epoch, and the most of one version in one process."""
+    from verl_tasks.config import load_config
+    from verl_tasks.events import read_events
+    from verl_tasks.layout import Layout
+    from verl_tasks.store import open_store
+
+    experiment = load_config(CONFIG).experiment
+    loads = [e for e in read_events(open_store(store), Layout(experiment)) if e.get("kind") == "policy_loaded"]
+    per_process_version = Counter((e.get("host"), e.get("pid"), e.get("version")) for e in loads)
+    return {"loads": len(loads), "processes": len({(e.get("host"), e.get("pid")) for e in loads}),
+            "max_per_process_and_version": max(per_process_version.values(), default=0)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=8)
@@ -42,6 +57,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     times: dict[str, list[float]] = {"inline": [], "ray": []}
+    loads: dict[str, dict[str, float]] = {}
     shas: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         cli("run", str(CONFIG), "--store", f"file://{tmp}/warm", "--epochs", "1")  # builds the warm-start cache
@@ -50,8 +66,10 @@ def main() -> None:
                 took, sha = timed_run(f"file://{tmp}/{backend}-{i}", args.epochs, backend)
                 times[backend].append(took)
                 shas.add(sha)
+                loads[backend] = policy_loads(f"file://{tmp}/{backend}-{i}")
     result = {"epochs": args.epochs, "inline_s": round(statistics.median(times["inline"]), 1),
-              "ray_s": round(statistics.median(times["ray"]), 1), "same_weights": len(shas) == 1}
+              "ray_s": round(statistics.median(times["ray"]), 1), "same_weights": len(shas) == 1,
+              "policy_loads": loads, "load_average": open("/proc/loadavg").read().split()[:3]}
     result["ratio"] = round(result["ray_s"] / result["inline_s"], 2)
     print(json.dumps(result))
     if args.json:
