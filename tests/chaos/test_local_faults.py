@@ -202,16 +202,16 @@ def test_08_enospc_on_local_store(reference, tmp_path, monkeypatch):
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    def write_temp(self, target_path, data=None, source=None):
+    def write_temp(self, target_path, data=None, source=None, **options):
         if "/events/" not in str(target_path):
             writes.append(str(target_path))
             if len(writes) == target:
                 monkeypatch.setattr(local.os, "fsync", no_space)
                 try:
-                    return original(self, target_path, data, source)
+                    return original(self, target_path, data, source, **options)
                 finally:
                     monkeypatch.setattr(local.os, "fsync", real_fsync)
-        return original(self, target_path, data, source)
+        return original(self, target_path, data, source, **options)
 
     monkeypatch.setattr(local.LocalStore, "_write_temp", write_temp)
     with pytest.raises(StoreError, match="no space left") as err:
