@@ -18,6 +18,7 @@ Variants, alternated within each repeat so machine noise hits all of them:
   an option, not shipped: it changes how two libraries load for the whole process
   and LazyLoader is not thread-safe on Python 3.11.
 - ``python-only``: an interpreter that imports nothing (the floor).
+- ``before`` (with ``--before PATH``): the shipped variant run against another checkout.
 """
 from __future__ import annotations
 
@@ -71,13 +72,13 @@ print(json.dumps({{"import_s": imported - started, "context_s": context - import
 """
 
 
-def run_child(variant: str) -> dict:
+def run_child(variant: str, root: Path = ROOT) -> dict:
     if variant == "python-only":
         code = "import time, json; print(json.dumps({'verdict_at': time.time()}), flush=True)"
     else:
-        code = CHILD.format(root=str(ROOT), lazy=variant == "lazy-scipy-altair")
+        code = CHILD.format(root=str(root), lazy=variant == "lazy-scipy-altair")
     started = time.time()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
     ended = time.time()
     if out.returncode != 0:
         raise RuntimeError(f"{variant} child failed: {out.stderr[-2000:]}")
@@ -91,12 +92,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--before", type=Path, help="another checkout of verl-tasks, measured as the variant 'before'")
     args = parser.parse_args()
-    variants = ("shipped", "lazy-scipy-altair", "python-only")
+    variants = ("shipped", "lazy-scipy-altair", "python-only") + (("before",) if args.before else ())
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for variant in variants:
-            runs[variant].append(run_child(variant))
+            runs[variant].append(run_child("shipped", args.before) if variant == "before" else run_child(variant))
     summary = {}
     for variant, results in runs.items():
         summary[variant] = {key: round(statistics.median(r[key] for r in results), 3) for key in results[0]}
