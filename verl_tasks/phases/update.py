@@ -22,7 +22,7 @@ from verl_tasks.models.checkpoint import load_optimizer, save_optimizer, save_po
 from verl_tasks.phases.common import PhaseContext, keep_policy, load_version, require, run_unit
 from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, response_logprobs, train_single
 from verl_tasks.phases.validate import epoch_batches
-from verl_tasks.store.conventions import TRAINER_STATE, is_optimizer_state
+from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, is_optimizer_state
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
 from verl_tasks.train.launch import train_on_workers
 
@@ -117,6 +117,7 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
         samples = load_epoch_samples(ctx, epoch)
         res = cfg.phase_resources("update")
+        check_not_pruned(ctx.store, ctx.layout, planned["policy_version"])  # here, not in a worker: not retried
         record = require(ctx, ctx.layout.snapshot(planned["policy_version"]), "snapshot")
         first_step = read_json(ctx.store, record, TRAINER_STATE).get("step", 0) if TRAINER_STATE in record.files else 0
         single_step = algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples)
