@@ -123,3 +123,16 @@ def test_a_sharded_engine_must_be_vllm_and_get_as_many_gpus_as_shards(tiny_confi
     cfg = tiny_config(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "resources.rollout.num_gpus": 2})
     assert cfg.rollout.tensor_parallel_size == 2
     assert "tensor_parallel_size" not in tiny_config().hashed_view()["rollout"]  # pins made before it stay valid
+
+
+def test_a_dumped_config_parses_again_and_only_the_update_has_a_strategy(tiny_config):
+    """Pools send ``model_dump`` to their actors: every phase's resources then carry the defaults."""
+    from verl_tasks.config import parse_config
+    from verl_tasks.errors import ConfigError
+
+    cfg = tiny_config(**{"resources.rollout.num_gpus": 1, "resources.update.strategy": "fsdp2",
+                         "resources.update.workers": 2})
+    again = parse_config(cfg.model_dump(mode="json"))
+    assert again.phase_resources("rollout").num_gpus == 1 and again.phase_resources("update").workers == 2
+    with pytest.raises(ConfigError, match="strategy, cpu_offload and mixed_precision are the update's"):
+        tiny_config(**{"resources.rollout.strategy": "fsdp2"})

@@ -370,8 +370,11 @@ class ExperimentConfig(Strict):
         for phase in value:
             if phase not in PHASES:
                 raise ValueError(f"resources has unknown phase {phase!r}; use {PHASES}")
-            if phase != "update" and "strategy" in value[phase].model_fields_set:
-                raise ValueError(f"resources.{phase}.strategy: only the update phase has a strategy")
+            res = value[phase]  # a dumped config sends the defaults back: only a non-default value is wrong
+            if phase != "update" and (res.strategy != UpdateStrategy.ddp or res.cpu_offload
+                                      or res.mixed_precision != MixedPrecision.none):
+                raise ValueError(f"resources.{phase}: strategy, cpu_offload and mixed_precision are the update's; "
+                                 f"remove them from resources.{phase}")
         return value
 
     @model_validator(mode="after")
