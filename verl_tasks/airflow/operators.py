@@ -130,7 +130,7 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         (about 40 s for 6 idle epochs under ``airflow dags test``); their own operators would
         still skip them if they ran (a Clear of one of them, say).
         """
-        dag = getattr(self, "dag", None)
+        dag = self.dag if self.has_dag() else None
         later = [task.task_id for task in (dag.tasks if dag is not None else [])
                  if (epoch := epoch_of(task.task_id)) is not None and epoch >= epochs]
         if not later:
