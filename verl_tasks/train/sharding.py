@@ -10,6 +10,7 @@ so at most one full parameter is in memory besides the shards.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from verl_tasks.config import MixedPrecision, Resources
 from verl_tasks.errors import IntegrityError
 from verl_tasks.models.checkpoint import WEIGHTS, local_rows, refuse_pickles
 
+log = logging.getLogger(__name__)
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -43,11 +45,11 @@ def sharded(folder: Path, dtype: str, device: torch.device, world_size: int, res
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}  # computed at init, not stored
-    options = fsdp_options(res, init_device_mesh(device.type, (world_size,)))
+    options = fsdp_options(res, init_device_mesh(device.type, (world_size,)), device)
     for block in transformer_blocks(model):
         fully_shard(block, **options)
     fully_shard(model, **options)
-    model.to_empty(device="cpu" if res.cpu_offload else device)
+    model.to_empty(device="cpu" if "offload_policy" in options else device)
     with torch.no_grad():
         load_local_rows(model, folder)
         for name, buf in model.named_buffers():
@@ -72,16 +74,22 @@ def params_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def fsdp_options(res: Resources, mesh: Any) -> dict[str, Any]:
-    """``fully_shard`` keyword arguments from ``resources.update`` (mixed precision, CPU offload)."""
+def fsdp_options(res: Resources, mesh: Any, device: torch.device) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments from ``resources.update`` (mixed precision, CPU offload).
+
+    CPU offload moves shards from an accelerator to host memory; a CPU worker's shards are there
+    already (and FSDP2 refuses the policy without an accelerator), so it is ignored there.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     options: dict[str, Any] = {"mesh": mesh}
     if res.mixed_precision != MixedPrecision.none:
         compute = torch.bfloat16 if res.mixed_precision == MixedPrecision.bf16 else torch.float16
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    if res.cpu_offload:
+    if res.cpu_offload and device.type != "cpu":
         options["offload_policy"] = CPUOffloadPolicy()
+    elif res.cpu_offload:
+        log.info("resources.update.cpu_offload: this worker computes on the CPU, its shards are in host memory already")
     return options
 
 
