@@ -105,7 +105,8 @@ def test_clearing_a_running_rollout_stops_its_actor_and_the_retry_commits_once(s
 
     # -- 3. the actor's work stops within STOP_S; the attempt is fenced --------------------------
     def diagnose_stop() -> str:
-        logs = "\n".join(f"--- {path}\n{text[-3000:]}" for path, text in stack["airflow"].task_logs(DAG_ID, run_id).items()
+        logs = "\n".join(f"--- {path}\n{text[-3000:]}"
+                         for path, text in stack["airflow"].task_logs(DAG_ID, run_id).items()
                          if path.startswith(f"task_id={ROLLOUT}/map_index={BATCH}/"))
         return (f"actor pid {pid} alive={_alive(pid)}; fence={fence_record(store, unit, killed)}; "
                 f"ray jobs={watch.jobs()}\n{stack['airflow'].component_tail('triggerer', 40)}\n{logs}")
@@ -134,8 +135,9 @@ def test_clearing_a_running_rollout_stops_its_actor_and_the_retry_commits_once(s
     retry_log = "\n".join(text for path, text in stack["airflow"].task_logs(DAG_ID, run_id).items()
                           if path.startswith(f"task_id={ROLLOUT}/map_index={BATCH}/attempt=2."))
     raced = "which this try attached to, was stopped" in retry_log
-    print("the new try " + ("attached to the cleared try's job before its on_kill stopped it, then submitted the "
-                            "next attempt" if raced else "found the cleared try's job stopped and submitted the next one"))
+    print("the new try " + ("attached to the cleared try's job before its on_kill stopped it, then submitted "
+                            "the next attempt" if raced else
+                            "found the cleared try's job stopped and submitted the next one"))
 
     record = read_marker(store, unit)
     assert record is not None and record.attempt != killed, (record, killed)
@@ -165,7 +167,8 @@ def test_clearing_a_running_rollout_stops_its_actor_and_the_retry_commits_once(s
     reference = json.loads(out.strip().splitlines()[-1])
     cfg = load_config(stack["yaml"], {"storage.uri": stack["store_uri"]})
     latest = status(cfg, store)["latest_snapshot"]
-    print(f"weights_sha256: cleared run {latest['weights_sha256']} / fault-free reference {reference['weights_sha256']}")
+    print(f"weights_sha256: cleared run {latest['weights_sha256']} / fault-free reference "
+          f"{reference['weights_sha256']}")
     assert latest["version"] == reference["version"] == 1
     assert latest["weights_sha256"] == reference["weights_sha256"]
     print(f"whole test body: {time.monotonic() - t0:.0f}s; actor stopped {stopped_s:.2f}s after the clear")
