@@ -10,7 +10,6 @@ may change between epochs of one experiment. The loss and the loop live in
 """
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,6 @@ from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, is_opt
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
 from verl_tasks.train.launch import train_on_workers
 
-log = logging.getLogger(__name__)
-
 
 def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
     """The epoch's samples joined with their scores, in (batch, sample) order; skipped batches left out."""
@@ -38,8 +35,6 @@ def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
         for s in samples:
             out.append({**s, "score": scores[s["sample_id"]]})
     return out
-
-
 
 
 def frozen_logprobs(

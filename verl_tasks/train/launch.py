@@ -74,7 +74,8 @@ def train_on_workers(ctx: PhaseContext, epoch: int, writer: UnitWriter, *, polic
         trainer.fit()
         result = results.get(timeout=RESULT_WAIT_S)
     except TrainingFailedError as err:
-        raise PhaseFailed(writer.unit, f"update worker failed; attempt {writer.attempt} is not committed: {err}"[:4000]) from err
+        message = f"update worker failed; attempt {writer.attempt} is not committed: {err}"
+        raise PhaseFailed(writer.unit, message[:4000]) from err
     finally:
         results.shutdown(force=True)
         shutil.rmtree(storage, ignore_errors=True)

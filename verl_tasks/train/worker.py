@@ -17,7 +17,6 @@ metric sums and the step count to the driver, which commits (``phases/update.py`
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -54,7 +53,6 @@ from verl_tasks.store.conventions import METRICS, TRAINER_STATE, is_optimizer_st
 from verl_tasks.store.units import UnitWriter
 from verl_tasks.train import sharding
 
-log = logging.getLogger(__name__)
 
 # Metrics that are token means whatever the loss aggregation mode (see ``policy_loss_vanilla``).
 TOKEN_MEAN_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
@@ -101,7 +99,8 @@ def train_loop(job: dict[str, Any]) -> None:
         job["results"].put({"files": files, "totals": totals, "steps": steps, "optimizer": hyper})
 
 
-def build(folder: Path, config: Any, device: torch.device, world: int, *, train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build(folder: Path, config: Any, device: torch.device, world: int, *,
+          train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module to call, the module whose parameter names the checkpoints use) for the strategy.
 
     ddp: DDP around the full model (a frozen reference model needs no wrapper); fsdp2: one
