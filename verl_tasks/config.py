@@ -275,7 +275,7 @@ class Resources(Strict):
     num_gpus: float = Field(0, ge=0)
     memory_mb: int | None = Field(None, gt=0)
     custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {node_type_a100: 1}")
-    workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: data-parallel processes)")
+    workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: Ray Train workers)")
     idle_release_s: float = Field(300, gt=0, description="an idle worker exits after this, freeing its resources")
     strategy: UpdateStrategy = Field(UpdateStrategy.ddp, description="update only: ddp (replicated) or fsdp2 (sharded)")
     cpu_offload: bool = Field(False, description="update with fsdp2: sharded parameters and optimizer state in host memory")
