@@ -307,3 +307,50 @@ def test_a_sharded_engine_worker_holds_its_gpus_as_one_placement_group(gpu_head,
                timeout_s=120)
     with pytest.raises(ValueError):
         get_placement_group(f"{shape.actor_name(0)}:pg")
+
+
+def test_airflows_execution_timeout_stops_a_ray_driver_unit(gpu_head, tmp_path, monkeypatch):
+    """Airflow enforces ``execution_timeout`` with SIGALRM around ``execute``: the wait on the pool is
+    interrupted, the attempt fenced and the actor's work stopped; the next try commits."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+    from airflow.sdk.execution_time.timeout import timeout
+
+    from tests.conftest import small_overrides, write_yaml
+    from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
+    from verl_tasks.store import open_store
+    from verl_tasks.store.units import fence_record
+
+    plan, info = gpu_head["plan"], gpu_head["info"]
+    monkeypatch.setenv("VERL_TASKS_RAY_GCS_ADDRESS", info.gcs_address)
+    store_uri = f"file://{tmp_path}/store"
+    yaml_path = write_yaml(tmp_path, small_overrides(**FAST, **{"storage.uri": store_uri}))
+    name = "driver-timeout"
+    ctx = {"params": {"experiment": name},
+           "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
+
+    def operator(phase: str, batch: int | None = None) -> VerlPhaseOperator:
+        return VerlPhaseOperator(task_id=phase, config_path=str(yaml_path), phase=phase, epoch=0, batch=batch,
+                                 backend="ray-driver", ray_conn_id=None)
+
+    ConfigureExperimentOperator(task_id="configure", config_path=str(yaml_path)).execute(ctx)
+    operator("plan").execute(ctx)
+    held = hold(plan, name, 0, 0)
+    doomed = operator("rollout", 0)
+    started = time.monotonic()
+    with pytest.raises(AirflowTaskTimeout):
+        with timeout(20):  # what the task runner wraps execute in
+            doomed.execute(ctx)
+    waited = time.monotonic() - started
+    pid = int(held.read_text())
+    wait_until("the timed-out unit's worker process to be gone", lambda: not Path(f"/proc/{pid}").exists(),
+               timeout_s=5)
+    assert waited < 60, f"execute returned {waited:.1f}s after a 20 s timeout"
+    release(plan, name, 0, 0)
+    store = open_store(store_uri)
+    unit = Layout(name).rollout(0, 0)
+    assert fence_record(store, unit, doomed._running.attempt) is not None
+    assert read_marker(store, unit) is None
+    retried = operator("rollout", 0).execute(ctx)
+    assert read_marker(store, unit).attempt == retried["attempt"] != doomed._running.attempt

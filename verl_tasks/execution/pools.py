@@ -54,6 +54,7 @@ LIGHT = ("plan", "validate", "snapshot")
 CPU_KIND = "cpu"
 STATE_WAIT_S = 0.2
 STATE_POLL_S = 0.5
+WAIT_SLICE_S = 0.2
 ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 RESENDS = 5
 
@@ -370,14 +371,23 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
 def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
          timeout_s: float | None) -> dict[str, Any]:
     """The result of a submitted unit; ``timeout_s`` after it *started* (time queued for a worker
-    or its resources does not count), it is cancelled and UnitTimeout raised."""
-    if timeout_s is None:
-        return ray.get(ref)
-    started = _wait_started(ref, actor, attempt)
-    try:
-        return ray.get(ref, timeout=max(0.0, timeout_s - (time.time() - started)))
-    except ray.exceptions.GetTimeoutError:
-        raise _timed_out(config, spec, attempt, actor, timeout_s) from None
+    or its resources does not count), it is cancelled and UnitTimeout raised.
+
+    It waits in short slices, back in Python between them: a signal (Airflow's SIGALRM timeout,
+    a job's SIGTERM) is handled within a slice, not inside one long blocking ``ray.get``.
+    """
+    started = None if timeout_s is None else _wait_started(ref, actor, attempt)
+    while True:
+        try:
+            ready, _ = ray.wait([ref], timeout=WAIT_SLICE_S)
+        except SystemError as err:  # a signal handler raised inside Ray's C wait: Ray wraps it; give it back
+            if err.__context__ is not None:
+                raise err.__context__ from None
+            raise
+        if ready:
+            return ray.get(ref)
+        if started is not None and time.time() - started > timeout_s:
+            raise _timed_out(config, spec, attempt, actor, timeout_s)
 
 
 def _wait_started(ref: Any, actor: Any, attempt: str | None) -> float:
