@@ -30,7 +30,9 @@ def cpus_needed(config: ExperimentConfig) -> int:
     kinds: dict[str, float] = {}
     for phase in PHASE_NAMES:
         res = config.phase_resources(phase)
-        kinds[pool_kind(phase)] = max(kinds.get(pool_kind(phase), 0.0), res.num_cpus * res.workers)
+        # A distributed update is a driver actor plus its Ray Train workers, each with the update's CPUs.
+        actors = res.workers + 1 if phase == "update" and res.distributed else res.workers
+        kinds[pool_kind(phase)] = max(kinds.get(pool_kind(phase), 0.0), res.num_cpus * actors)
     return max(os.cpu_count() or 1, int(sum(kinds.values()) + 0.999))
 
 
