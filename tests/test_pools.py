@@ -219,24 +219,16 @@ def test_a_ray_job_past_its_timeout_is_cancelled_and_the_retry_is_a_new_attempt(
     assert len(fenced) == 1 and read_marker(ctx.store, Layout(name).rollout(0, 0)).attempt not in fenced[0]
 
 
-def test_operator_as_a_ray_driver_runs_its_unit_and_on_kill_stops_it(gpu_head, tmp_path, monkeypatch, capsys):
-    """``backend="ray-driver"``: the Airflow task process runs the unit on its pool itself, logs where the
-    time went, and ``on_kill`` (what Airflow's clear, mark-failed and timeout call) fences the attempt and
-    stops the actor's work at once; the next try commits as a new attempt."""
-    import json
-    import threading
+def _driver_experiment(gpu_head, tmp_path, monkeypatch, name: str):
+    """A configured experiment whose tasks use the ray-driver backend: (store URI, task context, operator factory)."""
     from types import SimpleNamespace
 
     from tests.conftest import small_overrides, write_yaml
     from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
-    from verl_tasks.store import open_store
-    from verl_tasks.store.units import fence_record
 
-    plan, info = gpu_head["plan"], gpu_head["info"]
-    monkeypatch.setenv("VERL_TASKS_RAY_GCS_ADDRESS", info.gcs_address)
+    monkeypatch.setenv("VERL_TASKS_RAY_GCS_ADDRESS", gpu_head["info"].gcs_address)
     store_uri = f"file://{tmp_path}/store"
     yaml_path = write_yaml(tmp_path, small_overrides(**FAST, **{"storage.uri": store_uri}))
-    name = "driver-op"
     ctx = {"params": {"experiment": name},
            "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
 
@@ -245,6 +237,21 @@ def test_operator_as_a_ray_driver_runs_its_unit_and_on_kill_stops_it(gpu_head, t
                                  backend="ray-driver", ray_conn_id=None)
 
     ConfigureExperimentOperator(task_id="configure", config_path=str(yaml_path)).execute(ctx)
+    return store_uri, ctx, operator
+
+
+def test_operator_as_a_ray_driver_runs_its_unit_and_on_kill_stops_it(gpu_head, tmp_path, monkeypatch, capsys):
+    """``backend="ray-driver"``: the Airflow task process runs the unit on its pool itself, logs where the
+    time went, and ``on_kill`` (what Airflow's clear, mark-failed and timeout call) fences the attempt and
+    stops the actor's work at once; the next try commits as a new attempt."""
+    import json
+    import threading
+
+    from verl_tasks.store import open_store
+    from verl_tasks.store.units import fence_record
+
+    plan, name = gpu_head["plan"], "driver-op"
+    store_uri, ctx, operator = _driver_experiment(gpu_head, tmp_path, monkeypatch, name)
     capsys.readouterr()
     planned = operator("plan").execute(ctx)
     assert planned["unit"] == f"{name}/epochs/00000/plan"
@@ -312,29 +319,14 @@ def test_a_sharded_engine_worker_holds_its_gpus_as_one_placement_group(gpu_head,
 def test_airflows_execution_timeout_stops_a_ray_driver_unit(gpu_head, tmp_path, monkeypatch):
     """Airflow enforces ``execution_timeout`` with SIGALRM around ``execute``: the wait on the pool is
     interrupted, the attempt fenced and the actor's work stopped; the next try commits."""
-    from types import SimpleNamespace
-
     from airflow.sdk.exceptions import AirflowTaskTimeout
     from airflow.sdk.execution_time.timeout import timeout
 
-    from tests.conftest import small_overrides, write_yaml
-    from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
     from verl_tasks.store import open_store
     from verl_tasks.store.units import fence_record
 
-    plan, info = gpu_head["plan"], gpu_head["info"]
-    monkeypatch.setenv("VERL_TASKS_RAY_GCS_ADDRESS", info.gcs_address)
-    store_uri = f"file://{tmp_path}/store"
-    yaml_path = write_yaml(tmp_path, small_overrides(**FAST, **{"storage.uri": store_uri}))
-    name = "driver-timeout"
-    ctx = {"params": {"experiment": name},
-           "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
-
-    def operator(phase: str, batch: int | None = None) -> VerlPhaseOperator:
-        return VerlPhaseOperator(task_id=phase, config_path=str(yaml_path), phase=phase, epoch=0, batch=batch,
-                                 backend="ray-driver", ray_conn_id=None)
-
-    ConfigureExperimentOperator(task_id="configure", config_path=str(yaml_path)).execute(ctx)
+    plan, name = gpu_head["plan"], "driver-timeout"
+    store_uri, ctx, operator = _driver_experiment(gpu_head, tmp_path, monkeypatch, name)
     operator("plan").execute(ctx)
     held = hold(plan, name, 0, 0)
     doomed = operator("rollout", 0)
