@@ -74,15 +74,23 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory):
-    """The fault plan folder; the Ray this module starts carries the test hooks (set before it starts)."""
+    """The fault plan folder; the Ray this module starts carries the test hooks (set before it starts).
+
+    Tests before this module may have joined other heads from this process: Ray keeps the token it
+    read then, so the local Ray started here would refuse it; the environment and that state are reset.
+    """
     import ray
+    from ray._private.authentication_test_utils import reset_auth_token_state
 
     if ray.is_initialized():
         ray.shutdown()
     plan = tmp_path_factory.mktemp("faults")
     with pytest.MonkeyPatch.context() as mp:
+        for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR", "RAY_ADDRESS"):
+            mp.delenv(key, raising=False)
         for key, value in harness_env(plan).items():
             mp.setenv(key, value)
+        reset_auth_token_state()
         yield plan
         ray.shutdown()
 
