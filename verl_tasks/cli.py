@@ -73,20 +73,21 @@ def run(
     signal.signal(signal.SIGTERM, _on_sigterm)
     from contextlib import ExitStack
 
-    from verl_tasks.runner import epoch_units, make_context, run_in_process, train
-
     stack = ExitStack()
     try:
         cfg = _load(config, store, experiment, epochs)
         if backend not in ("inline", "ray"):
             raise typer.BadParameter(f"--backend {backend!r}: use inline or ray")
-        run_units = run_in_process
+        join = None
         if backend == "ray":
             from verl_tasks.execution.cli_cluster import connect
             from verl_tasks.store import absolute_uri
 
             cfg.storage.uri = absolute_uri(cfg.storage.uri, Path.cwd())  # the workers' working folder is not ours
-            run_units = connect(stack, cfg, ray_address, console)
+            join = connect(stack, cfg, ray_address, console)
+        from verl_tasks.runner import epoch_units, make_context, run_in_process, train  # torch: while a head boots
+
+        run_units = join() if join else run_in_process
         ctx = make_context(cfg)
         if resume_from:
             _start_from(ctx, resume_from)

@@ -14,13 +14,13 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.phase_registry import PHASE_NAMES
 
 log = logging.getLogger(__name__)
-STOP_TIMEOUT_S = 5  # the run's own head: nothing in it outlives the run
+STOP_TIMEOUT_S = 5  # the run's own head: nothing in it outlives the run (its actors are killed first: ~1 s)
 
 
 def cpus_needed(config: ExperimentConfig) -> int:
@@ -55,35 +55,46 @@ def _free_ports() -> tuple[int, int]:
     raise RuntimeError("no free ports for a local Ray head")
 
 
-def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None, console: Any = None):
-    """Join (or start and join) a cluster; returns the unit runner for ``runner.train``.
+def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
+            console: Any = None) -> Callable[[], Callable]:
+    """Start joining a cluster (or starting one); returns ``join``, which waits until this process is
+    its driver and returns the unit runner for ``runner.train``.
 
-    Everything started here is stopped when ``stack`` closes.
+    The caller imports its own heavy modules between the two calls while a head started here
+    boots. Everything started here is stopped when ``stack`` closes.
     """
-    started_here = ray_address is None
-    if started_here:
+    info = None
+    if ray_address is None:
         # Ray reads these when it is imported (waiting for the head imports it): loopback, token auth on.
         os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
         from verl_tasks.execution import local_head
 
         state = Path(tempfile.mkdtemp(prefix="vt-ray-"))
         port, dashboard = _free_ports()
-        info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=cpus_needed(config),
-                                cwd=Path.cwd(), dashboard=False)
+        info = local_head.launch(state, port=port, dashboard_port=dashboard, num_cpus=cpus_needed(config),
+                                 cwd=Path.cwd(), dashboard=False)
         stack.callback(local_head.stop, state, STOP_TIMEOUT_S)
         os.environ.update(info.client_env(), **info.driver_env())
         ray_address = info.gcs_address
         if console is not None:
             console.print(f"local Ray head at {info.address} (pid {info.pid}); stopped when the run ends")
-    import ray
 
-    from verl_tasks.execution import pools
+    def join() -> Callable:
+        import ray
 
-    _connect_when_ready(pools, ray_address)
-    stack.callback(ray.shutdown)
-    if started_here:
-        stack.callback(pools.release_experiment, config.experiment)  # its actors first: the head then stops at once
-    return pools.run_on_pools
+        from verl_tasks.execution import pools
+
+        if info is not None:
+            from verl_tasks.execution import local_head
+
+            local_head.wait_for_node(info)
+        _connect_when_ready(pools, ray_address)
+        stack.callback(ray.shutdown)
+        if info is not None:
+            stack.callback(pools.release_experiment, config.experiment)  # its actors first: the head then stops at once
+        return pools.run_on_pools
+
+    return join
 
 
 def _connect_when_ready(pools: Any, address: str, timeout_s: float = 90) -> None:

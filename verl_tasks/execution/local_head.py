@@ -56,6 +56,11 @@ class HeadInfo:
 
 
 def _alive(pid: int) -> bool:
+    try:  # a head this process started and that exited is a zombie until reaped: kill(pid, 0) still succeeds
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:  # not our child
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -146,8 +151,21 @@ def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_
     reserve them (and sets their ``CUDA_VISIBLE_DEVICES``), which tests placement.
     ``dashboard=False`` (a head only drivers use, e.g. ``verl-tasks run --backend ray``) starts
     without the dashboard and its Jobs API, about half the start-up on 2 cores; it is then
-    ready when its GCS port accepts connections (a driver's ``ray.init`` retries the rest).
+    ready when its GCS port accepts connections (see :func:`wait_for_node` for a driver).
     """
+    info = launch(state_dir, port=port, dashboard_port=dashboard_port, num_cpus=num_cpus, num_gpus=num_gpus,
+                  cwd=cwd, dashboard=dashboard)
+    try:
+        _ready(info, timeout_s) if dashboard else _gcs_listening(info, timeout_s)
+    except Exception:
+        stop(state_dir)
+        raise
+    return info
+
+
+def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = LOGICAL_CPUS,
+           num_gpus: int = 0, cwd: Path | None = None, dashboard: bool = True) -> HeadInfo:
+    """Spawn the head (or find the running one) and return at once: the caller works while it boots."""
     state_dir = private_dir(Path(state_dir).resolve())
     running = read_info(state_dir)
     if running:
@@ -178,18 +196,34 @@ def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_
         f"--metrics-export-port={dashboard_port + 3}", f"--runtime-env-agent-port={dashboard_port + 4}",
         f"--ray-client-server-port={port + 1}",
     ]
+    if not dashboard:  # a head only drivers use needs no autoscaler monitor: one Python process fewer at start-up
+        cmd.append("--no-monitor")
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(cwd or state_dir))
     info = HeadInfo(proc.pid, f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{port}", str(token_file),
                     str(tmpdir), str(log_file))
     (state_dir / "head.json").write_text(json.dumps(asdict(info), indent=1))
-    try:
-        _ready(info, timeout_s) if dashboard else _gcs_listening(info, timeout_s)
-    except Exception:
-        stop(state_dir)
-        raise
     return info
+
+
+def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> None:
+    """Until the head's node is alive in its GCS, checked every 0.1 s: ``ray.init`` on a head still
+    starting finds no node and sleeps a whole second per try. Needs the head's token in this process's
+    environment (``client_env``/``driver_env``), as a driver does."""
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    deadline = time.monotonic() + timeout_s
+    _gcs_listening(info, timeout_s)
+    client = GcsClient(address=info.gcs_address)
+    while time.monotonic() < deadline:
+        if not _alive(info.pid):
+            raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
+        if client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"ray head at {info.gcs_address} has no live node after {timeout_s}s; see {info.log_file}")
 
 
 def stop(state_dir: Path, timeout_s: float = 30) -> bool:
@@ -202,12 +236,8 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     if was_alive:
         os.kill(info.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(info.pid) and time.monotonic() < deadline:
-            try:
-                os.waitpid(info.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            time.sleep(0.2)
+        while _alive(info.pid) and time.monotonic() < deadline:  # _alive reaps our own child
+            time.sleep(0.05)
     try:  # whatever of the head's own session is left (workers, dashboard): only that group
         os.killpg(info.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -37,7 +37,7 @@ from verl_tasks.models.checkpoint import (
     save_optimizer_shard,
     save_policy,
 )
-from verl_tasks.phases.common import PhaseContext, policy_folder
+from verl_tasks.phases.common import PhaseContext, deterministic_kernels, policy_folder
 from verl_tasks.phases.update_steps import (
     UpdateInputs,
     accumulate,
@@ -68,7 +68,7 @@ def train_loop(job: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     config = parse_config(job["config"])
     torch.set_num_threads(max(1, config.torch_threads // world))
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic_kernels()
     ctx = PhaseContext(config, store_for(config))
     algo, temperature = config.algorithm, config.rollout.temperature
     device = get_device()
