@@ -34,11 +34,10 @@ from tests.airflow.e2e_support import Api, states, ti_key, wait_for
 from tests.airflow.test_e2e import (  # noqa: F401 - `stack` is the fixture this test reuses
     DAG_ID,
     EXPERIMENT,
-    POLL_S,
     ROLLOUT,
-    STALL_S,
     Watch,
     _failing_logs,
+    reference_result,
     stack,
 )
 
@@ -157,14 +156,7 @@ def test_clearing_a_running_rollout_stops_its_actor_and_the_retry_commits_once(s
     prefix = f"vt-{EXPERIMENT}-e0-rollout-b{BATCH}-"
     assert jobs.get(prefix + "a1") == "STOPPED" and jobs.get(prefix + "a2") == "SUCCEEDED", jobs
 
-    def ref_files() -> list[tuple[str, int]]:
-        return sorted((str(p), p.stat().st_size) for p in stack["ref_store"].rglob("*") if p.is_file())
-
-    wait_for("the fault-free reference run", lambda: stack["reference"].poll() is not None, STALL_S, every=POLL_S,
-             progress=ref_files, diagnose=lambda: (stack["tmp"] / "reference.log").read_text()[-4000:])
-    out, _ = stack["reference"].communicate(timeout=60)
-    assert stack["reference"].returncode == 0, (stack["tmp"] / "reference.log").read_text()[-4000:]
-    reference = json.loads(out.strip().splitlines()[-1])
+    reference = reference_result(stack)
     cfg = load_config(stack["yaml"], {"storage.uri": stack["store_uri"]})
     latest = status(cfg, store)["latest_snapshot"]
     print(f"weights_sha256: cleared run {latest['weights_sha256']} / fault-free reference "

@@ -257,6 +257,18 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
                "faults": plan_dir}
 
 
+def reference_result(stack: dict) -> dict:
+    """The fault-free reference run's result line, once its process (started with the stack) exits."""
+    def ref_files() -> list[tuple[str, int]]:  # the reference's progress: what it has written so far
+        return sorted((str(p), p.stat().st_size) for p in stack["ref_store"].rglob("*") if p.is_file())
+
+    wait_for("the fault-free reference run", lambda: stack["reference"].poll() is not None, STALL_S, every=POLL_S,
+             progress=ref_files, diagnose=lambda: (stack["tmp"] / "reference.log").read_text()[-4000:])
+    out, _ = stack["reference"].communicate(timeout=60)
+    assert stack["reference"].returncode == 0, (stack["tmp"] / "reference.log").read_text()[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _failing_logs(airflow: Standalone, run_id: str, tis: list[dict]) -> str:
     logs = airflow.task_logs(DAG_ID, run_id)
     bad = {ti_key(t) for t in tis if t["state"] in ("failed", "upstream_failed")}
@@ -458,14 +470,7 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     assert all(j.endswith("-a1") for j in jobs), jobs
 
     # same weights as the fault-free reference
-    def ref_files() -> list[tuple[str, int]]:  # the reference's progress: what it has written so far
-        return sorted((str(p), p.stat().st_size) for p in stack["ref_store"].rglob("*") if p.is_file())
-
-    wait_for("the fault-free reference run", lambda: stack["reference"].poll() is not None, STALL_S, every=POLL_S,
-             progress=ref_files, diagnose=lambda: (stack["tmp"] / "reference.log").read_text()[-4000:])
-    out, _ = stack["reference"].communicate(timeout=60)
-    assert stack["reference"].returncode == 0, (stack["tmp"] / "reference.log").read_text()[-4000:]
-    reference = json.loads(out.strip().splitlines()[-1])
+    reference = reference_result(stack)
     latest = status(cfg, store)["latest_snapshot"]
     print(f"weights_sha256: airflow+ray+s3 {latest['weights_sha256']} / reference {reference['weights_sha256']}")
     assert latest["version"] == reference["version"] == 1

@@ -41,17 +41,24 @@ def _folder() -> Path | None:
     return Path(value) if value else None
 
 
-def fail_once(*, experiment: str, phase: str, epoch: int, batch: int | None = None, **_: Any) -> None:
-    """``unit_start`` hook: consume the unit's ``.fail-once`` file and raise, or do nothing."""
+def _consume(name: str, suffix: str) -> bool:
+    """Take the plan file ``name`` (renamed to ``suffix``: atomic, so exactly one caller wins); False if absent."""
     folder = _folder()
     if folder is None:
-        return
-    flag = folder / f"{unit_name(experiment, phase, epoch, batch)}.fail-once"
+        return False
+    flag = folder / name
     try:
-        os.rename(flag, flag.with_suffix(".failed"))
+        os.rename(flag, flag.with_suffix(suffix))
     except FileNotFoundError:
-        return
-    raise InjectedFault(f"injected fault ({flag.name}, pid {os.getpid()}); the next attempt runs normally")
+        return False
+    return True
+
+
+def fail_once(*, experiment: str, phase: str, epoch: int, batch: int | None = None, **_: Any) -> None:
+    """``unit_start`` hook: consume the unit's ``.fail-once`` file and raise, or do nothing."""
+    name = f"{unit_name(experiment, phase, epoch, batch)}.fail-once"
+    if _consume(name, ".failed"):
+        raise InjectedFault(f"injected fault ({name}, pid {os.getpid()}); the next attempt runs normally")
 
 
 def hold(*, experiment: str, epoch: int, batch: int, **_: Any) -> None:
@@ -73,15 +80,8 @@ def kill_update_worker(*, experiment: str, epoch: int, rank: int, **_: Any) -> N
     """``update_worker_step`` hook: SIGKILL this worker if the plan names its rank (once)."""
     import signal
 
-    folder = _folder()
-    if folder is None:
-        return
-    flag = folder / f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}"
-    try:
-        os.rename(flag, flag.with_suffix(".killed"))
-    except FileNotFoundError:
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
+    if _consume(f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}", ".killed"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def install() -> None:

@@ -40,14 +40,7 @@ def gcs_address(configured: str | None = None) -> str:
         raise RayUnavailable(f"the ray-driver backend joins the cluster as a Ray driver and needs its GCS address: "
                              f"set {GCS_ADDRESS_ENV}=host:6379 (or the ray_default connection's extra "
                              f'{{"gcs_address": "host:6379"}}), or use backend "ray" (Ray Jobs, dashboard only)')
-    return address.removeprefix("ray://") if address.startswith("ray://") else address
-
-
-def connect(address: str) -> None:
-    """Join the cluster once per process; token auth is read from ``RAY_AUTH_TOKEN[_PATH]``."""
-    from verl_tasks.execution import pools
-
-    pools.ensure_connected(address)
+    return address.removeprefix("ray://")
 
 
 @dataclass
@@ -81,7 +74,7 @@ def run(running: Running, address: str) -> Outcome:
     from verl_tasks.execution import pools
 
     began = time.time()
-    connect(address)
+    pools.ensure_connected(address)  # once per process; token auth from RAY_AUTH_TOKEN[_PATH]
     connected = time.time()
     submitted: list[float] = []
 
