@@ -36,18 +36,27 @@ def timed_run(store: str, epochs: int, backend: str) -> tuple[float, str]:
     return took, status["latest_snapshot"]["weights_sha256"]
 
 
-def policy_loads(store: str) -> dict[str, float]:
-    """From the run's events: policy loads in all, per epoch, and the most of one version in one process."""
+def run_events(store: str) -> list[dict]:
     from verl_tasks.config import load_config
     from verl_tasks.events import read_events
     from verl_tasks.layout import Layout
     from verl_tasks.store import open_store
 
-    experiment = load_config(CONFIG).experiment
-    loads = [e for e in read_events(open_store(store), Layout(experiment)) if e.get("kind") == "policy_loaded"]
+    return read_events(open_store(store), Layout(load_config(CONFIG).experiment))
+
+
+def policy_loads(events: list[dict]) -> dict[str, float]:
+    """From the run's events: policy loads in all, and the most of one version in one process."""
+    loads = [e for e in events if e.get("kind") == "policy_loaded"]
     per_process_version = Counter((e.get("host"), e.get("pid"), e.get("version")) for e in loads)
     return {"loads": len(loads), "processes": len({(e.get("host"), e.get("pid")) for e in loads}),
             "max_per_process_and_version": max(per_process_version.values(), default=0)}
+
+
+def first_validate_s(events: list[dict]) -> float | None:
+    """The first epoch's validate unit, from its ``committed`` event: the gate's cost in a fresh process."""
+    return next((round(e["duration_s"], 3) for e in events
+                 if e.get("kind") == "committed" and e.get("phase") == "validate"), None)
 
 
 def main() -> None:
@@ -58,6 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     times: dict[str, list[float]] = {"inline": [], "ray": []}
     loads: dict[str, dict[str, float]] = {}
+    first_validate: dict[str, list[float]] = {"inline": [], "ray": []}
     shas: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         cli("run", str(CONFIG), "--store", f"file://{tmp}/warm", "--epochs", "1")  # builds the warm-start cache
@@ -66,10 +76,14 @@ def main() -> None:
                 took, sha = timed_run(f"file://{tmp}/{backend}-{i}", args.epochs, backend)
                 times[backend].append(took)
                 shas.add(sha)
-                loads[backend] = policy_loads(f"file://{tmp}/{backend}-{i}")
+                events = run_events(f"file://{tmp}/{backend}-{i}")
+                loads[backend] = policy_loads(events)
+                first_validate[backend].append(first_validate_s(events))
     result = {"epochs": args.epochs, "inline_s": round(statistics.median(times["inline"]), 1),
-              "ray_s": round(statistics.median(times["ray"]), 1), "same_weights": len(shas) == 1,
-              "policy_loads": loads, "load_average": open("/proc/loadavg").read().split()[:3]}
+              "ray_s": round(statistics.median(times["ray"]), 1),
+              "runs_s": {k: [round(t, 1) for t in v] for k, v in times.items()}, "same_weights": len(shas) == 1,
+              "policy_loads": loads, "first_validate_s": {k: statistics.median(v) for k, v in first_validate.items()},
+              "load_average": open("/proc/loadavg").read().split()[:3]}
     result["ratio"] = round(result["ray_s"] / result["inline_s"], 2)
     print(json.dumps(result))
     if args.json:

@@ -175,6 +175,10 @@ class PoolWorker:
     def __init__(self, kind: str, idle_release_s: float) -> None:
         import verl_tasks.runner  # noqa: F401 - import the heavy modules once, now
 
+        if kind in (CPU_KIND, pool_kind("validate")):
+            from verl_tasks.quality import suites
+
+            suites.warm_up()  # importing GE (~2.5 s) is the worker's start-up, not its first validate's
         logging.getLogger().setLevel(logging.INFO)
         self.kind = kind
         self.idle_release_s = idle_release_s

@@ -85,8 +85,9 @@ def _batch_definition():
 
 
 def warm_up() -> None:
-    """Import Great Expectations and build the process's context now (seconds), e.g. in a background
-    thread of a worker that will validate later, so its first ``validate_epoch`` finds them ready."""
+    """Import Great Expectations and build the process's context now (seconds), e.g. when a pool worker
+    that will validate starts, so its first ``validate_epoch`` finds them ready. (Not in a background
+    thread: imports hold the GIL, and one beside torch's imports made both slower.)"""
     _gx()
     with _LOCK:
         _batch_definition()
