@@ -413,14 +413,21 @@ def _redone(started: Counter) -> list[str]:
     return sorted(u for u, n in started.items() if n > 1)
 
 
-def _ray_jobs(cluster, experiment: str) -> dict[str, str]:
+def _jobs_client(cluster):
     from verl_tasks.execution.local_head import read_info
     from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
 
     info = read_info(cluster["head_state"])
-    backend = RayJobBackend(RayTarget(info.address, read_token(info.token_file)))
-    return {j.submission_id: str(getattr(j.status, "value", j.status)) for j in backend.client.list_jobs()
+    return RayJobBackend(RayTarget(info.address, read_token(info.token_file))).client
+
+
+def _ray_jobs(cluster, experiment: str) -> dict[str, str]:
+    return {j.submission_id: str(getattr(j.status, "value", j.status)) for j in _jobs_client(cluster).list_jobs()
             if (j.submission_id or "").startswith(f"vt-{experiment}-")}
+
+
+def _job_log(cluster, job_id: str) -> str:
+    return _jobs_client(cluster).get_job_logs(job_id)
 
 
 def _rng(fault: str) -> random.Random:
@@ -457,12 +464,19 @@ def test_rollout_worker_sigkilled_mid_batch(cluster):
     assert redone == [Layout(experiment).rollout(0, batch)], started
     jobs = _ray_jobs(cluster, experiment)
     prefix = f"vt-{experiment}-e0-rollout-b{batch}-"
-    assert jobs.pop(prefix + "a1") == "FAILED", jobs
-    assert jobs.pop(prefix + "a2") == "SUCCEEDED", jobs
+    # Ray restarts the actor (max_restarts=-1). Either it fails the killed call (the job fails, Airflow's
+    # retry is job a2) or it reports the actor as restarting, and the job sends the same attempt to the
+    # restarted actor (pools.run_unit): the unit is redone inside job a1.
+    if prefix + "a2" in jobs:
+        assert jobs.pop(prefix + "a1") == "FAILED" and jobs.pop(prefix + "a2") == "SUCCEEDED", jobs
+        recovery = "automatic Airflow retry (job a2) on the restarted pool actor"
+    else:
+        assert jobs.pop(prefix + "a1") == "SUCCEEDED", jobs
+        assert "sending it again" in _job_log(cluster, prefix + "a1")
+        recovery = "the job sent its attempt again to the restarted pool actor (no Airflow retry)"
     assert all(s == "SUCCEEDED" and j.endswith("-a1") for j, s in jobs.items()), jobs
     util.record("rollout_worker_sigkill", recovery_s=round(recovery_s, 1), redone_units=len(redone),
-                recovery="automatic Airflow retry; Ray restarts the pool actor (max_restarts=-1)",
-                redone=redone)
+                recovery=recovery, redone=redone)
 
 
 def test_ray_head_restarted_during_epoch(cluster):
@@ -496,14 +510,18 @@ def test_ray_head_restarted_during_epoch(cluster):
     redone = _redone(started)
     from verl_tasks.layout import Layout
 
-    assert Layout(experiment).rollout(0, batch) in redone, started
+    # The held unit was killed with the head and redone, or its worker outlived the stopped raylet
+    # long enough to finish it (the store is not on the cluster) and the retry found its marker.
+    held_unit = Layout(experiment).rollout(0, batch)
+    assert started[held_unit] in (1, 2), started
     # only units in flight at the restart can have been redone: rollouts of this epoch
     assert all("/rollout/" in u for u in redone), redone
     tries = {ti_key(t): t["try_number"] for t in cluster["api"].task_instances(DAG_ID, run_id)}
     assert tries[f"{ROLLOUT}[{batch}]"] >= 2, tries
     util.record("ray_head_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
                 head_down_s=round(head_down_s, 1),
-                recovery="automatic Airflow retries resubmit to the restarted head; the pool actors are recreated",
+                recovery="automatic Airflow retries resubmit to the restarted head; the pool actors are recreated"
+                         + ("" if held_unit in redone else " (the held unit had committed before its worker died)"),
                 redone=redone)
 
 
