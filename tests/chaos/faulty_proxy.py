@@ -78,10 +78,12 @@ class FaultyProxy:
                 resp = conn.getresponse()
                 data = resp.read()
                 self.send_response(resp.status)
+                head = self.command == "HEAD"  # no body: its Content-Length is the object's size, passed on as is
                 for key, value in resp.getheaders():
-                    if key.lower() not in HOP and key.lower() != "content-length":
+                    if key.lower() not in HOP and (key.lower() != "content-length" or head):
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
