@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -17,23 +18,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.phase_registry import PHASE_NAMES
 
 log = logging.getLogger(__name__)
-STOP_TIMEOUT_S = 5  # the run's own head: nothing in it outlives the run (its actors are killed first: ~1 s)
+# The run's own head holds nothing once the run's actors are gone and its driver left: its whole session
+# is killed at once (a graceful stop spends ~1 s letting each process tidy files that are deleted next).
+STOP_TIMEOUT_S = 0
 
 
 def cpus_needed(config: ExperimentConfig) -> int:
-    """Logical CPUs for every pool of the experiment to be resident at once (one pool per kind)."""
-    from verl_tasks.execution.pools import pool_kind
+    """Logical CPUs for every pool of the experiment to be resident at once, and no fewer than the machine has."""
+    from verl_tasks.execution.pool_shape import cpus_for
 
-    kinds: dict[str, float] = {}
-    for phase in PHASE_NAMES:
-        res = config.phase_resources(phase)
-        # A distributed update is a driver actor plus its Ray Train workers, each with the update's CPUs.
-        actors = res.workers + 1 if phase == "update" and res.distributed else res.workers
-        kinds[pool_kind(phase)] = max(kinds.get(pool_kind(phase), 0.0), res.num_cpus * actors)
-    return max(os.cpu_count() or 1, int(sum(kinds.values()) + 0.999))
+    return max(os.cpu_count() or 1, int(cpus_for(config) + 0.999))
 
 
 def _free_ports() -> tuple[int, int]:
@@ -73,6 +69,7 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
         port, dashboard = _free_ports()
         info = local_head.launch(state, port=port, dashboard_port=dashboard, num_cpus=cpus_needed(config),
                                  cwd=Path.cwd(), dashboard=False)
+        stack.callback(_discard, state, Path(info.tmpdir))  # after the stop (an ExitStack unwinds in reverse)
         stack.callback(local_head.stop, state, STOP_TIMEOUT_S)
         os.environ.update(info.client_env(), **info.driver_env())
         ray_address = info.gcs_address
@@ -95,6 +92,12 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
         return pools.run_on_pools
 
     return join
+
+
+def _discard(*folders: Path) -> None:
+    """The stopped head's state folder (its token) and Ray's session files: nothing is left in /tmp per run."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _connect_when_ready(pools: Any, address: str, timeout_s: float = 90) -> None:

@@ -75,6 +75,7 @@ def run(running: Running, address: str) -> Outcome:
 
     began = time.time()
     pools.ensure_connected(address)  # once per process; token auth from RAY_AUTH_TOKEN[_PATH]
+    pools.start_cpu_pools(running.config)  # once per process and experiment: their start-ups overlap
     connected = time.time()
     submitted: list[float] = []
 
@@ -123,4 +124,4 @@ def cancel(running: Running, reason: str) -> None:
         log.exception("cancelling %s (attempt %s) failed", running.spec.label, running.attempt)
 
 
-__all__ = ["GCS_ADDRESS_ENV", "Outcome", "Running", "cancel", "connect", "gcs_address", "run", "split", "start"]
+__all__ = ["GCS_ADDRESS_ENV", "Outcome", "Running", "cancel", "gcs_address", "run", "split", "start"]

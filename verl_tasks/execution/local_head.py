@@ -196,8 +196,11 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
         f"--metrics-export-port={dashboard_port + 3}", f"--runtime-env-agent-port={dashboard_port + 4}",
         f"--ray-client-server-port={port + 1}",
     ]
-    if not dashboard:  # a head only drivers use needs no autoscaler monitor: one Python process fewer at start-up
-        cmd.append("--no-monitor")
+    if not dashboard:
+        # A head only drivers use needs no autoscaler monitor, and no log monitor (its drivers take each
+        # unit's log lines from the unit's result, never from Ray's log stream): two Python processes
+        # fewer competing with the node's start-up on a small machine.
+        cmd += ["--no-monitor", "--include-log-monitor=false"]
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(cwd or state_dir))
@@ -227,7 +230,8 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> None:
 
 
 def stop(state_dir: Path, timeout_s: float = 30) -> bool:
-    """SIGTERM the recorded head (its whole session), wait, then SIGKILL what is left. True if it ran."""
+    """SIGTERM the recorded head (its whole session), wait up to ``timeout_s``, then SIGKILL what is left.
+    True if it ran."""
     path = Path(state_dir) / "head.json"
     if not path.is_file():
         return False
@@ -241,6 +245,10 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     try:  # whatever of the head's own session is left (workers, dashboard): only that group
         os.killpg(info.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
+        pass
+    try:  # a head this process started is reaped, not left a zombie
+        os.waitpid(info.pid, 0)
+    except ChildProcessError:
         pass
     path.unlink(missing_ok=True)
     return was_alive

@@ -1,9 +1,11 @@
 """Worker pools on the Ray cluster: actors that hold a phase's resources and keep its work warm.
 
 Each experiment has, per phase kind (``rollout``, ``score``, ``update``, ``evaluate``,
-and ``light`` for plan, validate and snapshot), a pool of ``resources.<phase>.workers``
+``gate`` for validate, and ``light`` for plan and snapshot), a pool of ``resources.<phase>.workers``
 named, detached actors (phases that reserve no GPU and the same resources share one
-``cpu`` pool, whose actor ``i`` serves each of them), created with that phase's ``num_cpus``, ``num_gpus``,
+``cpu`` pool, whose actor ``i`` serves each of them; the gate never does: it holds no
+policy, and its start-up, importing Great Expectations, then runs beside the others'
+instead of before the first unit), created with that phase's ``num_cpus``, ``num_gpus``,
 ``memory_mb`` and custom resources, so Ray places each on a node that has them
 and the GPUs a unit computes on are the ones its actor reserved. An actor keeps
 its process warm (torch imported, the policy loaded and keyed by the snapshot's
@@ -26,130 +28,26 @@ restarted, so a hung unit frees its slot.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import ray
 
-import verl_tasks
-from verl_tasks.config import ExperimentConfig, Resources
+from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution import UnitSpec
+from verl_tasks.execution.pool_shape import (GATE_KIND, NAMESPACE, PREFIX, PoolShape, code_fingerprint,
+                                             pool_kind)
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "verl-tasks"
-PREFIX = "vt:"  # ":" never occurs in an experiment name, so prefixes never overlap
-LIGHT = ("plan", "validate", "snapshot")
-# Phases without GPUs whose resources are equal share one pool: one warm process holds the policy the
-# update trained for the evaluation and the next rollout, instead of one process per phase kind each
-# loading it (GPU phases keep a pool per kind: a rollout engine and a trainer do not share a device).
-CPU_KIND = "cpu"
 STATE_WAIT_S = 0.2
 STATE_POLL_S = 0.5
 WAIT_SLICE_S = 0.2
 ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 RESENDS = 5
-
-
-def pool_kind(phase: str) -> str:
-    return "light" if phase in LIGHT else phase
-
-
-@functools.lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """A hash of the installed package's source: a new deploy gets new workers, never stale ones."""
-    root = Path(verl_tasks.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-@dataclass(frozen=True)
-class PoolShape:
-    """The resources every actor of one pool holds, and how many actors the pool has."""
-
-    experiment: str
-    kind: str
-    num_cpus: float
-    num_gpus: float
-    memory_mb: int | None
-    custom: tuple[tuple[str, float], ...]
-    workers: int
-    idle_release_s: float
-    gpu_bundles: int = 0  # > 1: each actor holds a placement group of this many 1-GPU bundles (a sharded engine)
-
-    @classmethod
-    def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
-        """The pool of ``phase``; an update on Ray Train is one driver actor that holds no GPUs, memory or
-        custom resources: its Ray Train workers reserve those, so the driver never holds what they wait for.
-        A rollout engine sharded over ``tensor_parallel_size`` GPUs gets them as a placement group."""
-        res: Resources = config.phase_resources(phase)
-        if phase == "update" and res.distributed:
-            return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s)
-        bundles = config.rollout.tensor_parallel_size if phase == "rollout" else 1
-        kind = CPU_KIND if res.num_gpus == 0 and bundles == 1 else pool_kind(phase)
-        return cls(config.experiment, kind, res.num_cpus, res.num_gpus, res.memory_mb,
-                   tuple(sorted(res.custom.items())), res.workers, res.idle_release_s, bundles if bundles > 1 else 0)
-
-    @property
-    def digest(self) -> str:
-        body = json.dumps([self.num_cpus, self.num_gpus, self.memory_mb, self.custom, self.gpu_bundles], sort_keys=True)
-        return hashlib.sha256(body.encode()).hexdigest()[:8]
-
-    @property
-    def prefix(self) -> str:
-        return f"{PREFIX}{self.experiment}:{self.kind}:"
-
-    def actor_name(self, index: int) -> str:
-        return f"{self.prefix}{code_fingerprint()}:{self.digest}:{index}"
-
-    def actor_options(self, index: int) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "name": self.actor_name(index), "namespace": NAMESPACE, "lifetime": "detached",
-            "get_if_exists": True, "num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
-        }
-        if self.memory_mb:
-            options["memory"] = int(self.memory_mb * 1024 * 1024)
-        if self.custom:
-            options["resources"] = dict(self.custom)
-        if self.gpu_bundles:
-            options.update(self._in_placement_group(index, options))
-        return options
-
-    def placement_bundles(self) -> list[dict[str, float]]:
-        """One bundle per engine shard, on one node (STRICT_PACK): 1 GPU, its share of CPUs, memory, custom."""
-        n = self.gpu_bundles
-        bundle: dict[str, float] = {"GPU": 1.0, "CPU": self.num_cpus / n}
-        if self.memory_mb:
-            bundle["memory"] = float(int(self.memory_mb * 1024 * 1024 / n))
-        bundle.update({name: amount / n for name, amount in self.custom})
-        return [dict(bundle) for _ in range(n)]
-
-    def _in_placement_group(self, index: int, options: dict[str, Any]) -> dict[str, Any]:
-        """The actor holds nothing itself: it runs in bundle 0 of its own named, detached placement group,
-        and what it starts (vLLM's shard workers) is placed in the group too (captured child tasks)."""
-        from ray.util.placement_group import get_placement_group, placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        name = f"{self.actor_name(index)}:pg"
-        try:
-            group = get_placement_group(name)
-        except ValueError:
-            group = placement_group(self.placement_bundles(), strategy="STRICT_PACK", name=name, lifetime="detached")
-        options.pop("memory", None)
-        options.pop("resources", None)
-        return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
 
 
 class _Capture(logging.Handler):
@@ -175,7 +73,7 @@ class PoolWorker:
     def __init__(self, kind: str, idle_release_s: float) -> None:
         import verl_tasks.runner  # noqa: F401 - import the heavy modules once, now
 
-        if kind in (CPU_KIND, pool_kind("validate")):
+        if kind == GATE_KIND:
             from verl_tasks.quality import suites
 
             suites.warm_up()  # importing GE (~2.5 s) is the worker's start-up, not its first validate's
@@ -297,6 +195,27 @@ def release_experiment(experiment: str) -> list[str]:
             pass
         release_placement_group(name)
     return names
+
+
+_started: set[str] = set()
+
+
+def start_cpu_pools(config: ExperimentConfig) -> None:
+    """Create the experiment's pools that hold no GPU now (once per process), without waiting for them.
+
+    Their start-up (a worker process importing torch, or Great Expectations for the gate) then
+    runs side by side, and beside the first units, instead of each in turn before its first
+    unit. GPU pools start with their first unit: an idle one would hold GPUs another pool waits for.
+    """
+    if config.experiment in _started:
+        return
+    _started.add(config.experiment)
+    from verl_tasks.phase_registry import PHASE_NAMES
+
+    shapes = {PoolShape.for_phase(config, phase) for phase in PHASE_NAMES}
+    for shape in sorted(shapes, key=lambda s: s.kind):
+        if shape.num_gpus == 0 and not shape.gpu_bundles:
+            pool_actors(shape)
 
 
 def pool_actors(shape: PoolShape) -> list[Any]:
@@ -423,6 +342,7 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
     from verl_tasks.store.units import new_attempt_id
 
     config = ctx.config
+    start_cpu_pools(config)
     ft = config.fault_tolerance
     tolerant = phase_spec(phase).batched and ft.min_committed_batch_fraction < 1
     pending: dict[Any, tuple[UnitSpec, str, Any, int]] = {}
@@ -491,5 +411,5 @@ def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, a
     return unit
 
 
-__all__ = ["PoolShape", "PoolWorker", "dispatch", "release_experiment", "submit", "wait", "run_unit", "run_on_pools", "cancel_unit", "pool_kind", "code_fingerprint", "ensure_connected",
+__all__ = ["PoolShape", "PoolWorker", "dispatch", "release_experiment", "submit", "wait", "run_unit", "run_on_pools", "cancel_unit", "pool_kind", "start_cpu_pools", "code_fingerprint", "ensure_connected",
            "NAMESPACE"]

@@ -1,0 +1,135 @@
+"""The shape of a worker pool: which actors a phase's units go to, and what each one holds.
+
+Ray-free, so a process can size a head for an experiment's pools before it imports Ray
+(``verl-tasks run --backend ray`` starts its head first and imports while it boots).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import verl_tasks
+from verl_tasks.config import ExperimentConfig, Resources
+
+NAMESPACE = "verl-tasks"
+PREFIX = "vt:"  # ":" never occurs in an experiment name, so prefixes never overlap
+LIGHT = ("plan", "snapshot")
+GATE_KIND = "gate"  # validate: Great Expectations, no policy
+# Phases without GPUs whose resources are equal share one pool: one warm process holds the policy the
+# update trained for the evaluation and the next rollout, instead of one process per phase kind each
+# loading it (GPU phases keep a pool per kind: a rollout engine and a trainer do not share a device).
+CPU_KIND = "cpu"
+
+def pool_kind(phase: str) -> str:
+    if phase == "validate":
+        return GATE_KIND
+    return "light" if phase in LIGHT else phase
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of the installed package's source: a new deploy gets new workers, never stale ones."""
+    root = Path(verl_tasks.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """The resources every actor of one pool holds, and how many actors the pool has."""
+
+    experiment: str
+    kind: str
+    num_cpus: float
+    num_gpus: float
+    memory_mb: int | None
+    custom: tuple[tuple[str, float], ...]
+    workers: int
+    idle_release_s: float
+    gpu_bundles: int = 0  # > 1: each actor holds a placement group of this many 1-GPU bundles (a sharded engine)
+
+    @classmethod
+    def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
+        """The pool of ``phase``; an update on Ray Train is one driver actor that holds no GPUs, memory or
+        custom resources: its Ray Train workers reserve those, so the driver never holds what they wait for.
+        A rollout engine sharded over ``tensor_parallel_size`` GPUs gets them as a placement group."""
+        res: Resources = config.phase_resources(phase)
+        if phase == "update" and res.distributed:
+            return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s)
+        bundles = config.rollout.tensor_parallel_size if phase == "rollout" else 1
+        shared = res.num_gpus == 0 and bundles == 1 and pool_kind(phase) != GATE_KIND
+        kind = CPU_KIND if shared else pool_kind(phase)
+        return cls(config.experiment, kind, res.num_cpus, res.num_gpus, res.memory_mb,
+                   tuple(sorted(res.custom.items())), res.workers, res.idle_release_s, bundles if bundles > 1 else 0)
+
+    @property
+    def digest(self) -> str:
+        body = json.dumps([self.num_cpus, self.num_gpus, self.memory_mb, self.custom, self.gpu_bundles], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:8]
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}{self.experiment}:{self.kind}:"
+
+    def actor_name(self, index: int) -> str:
+        return f"{self.prefix}{code_fingerprint()}:{self.digest}:{index}"
+
+    def actor_options(self, index: int) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "name": self.actor_name(index), "namespace": NAMESPACE, "lifetime": "detached",
+            "get_if_exists": True, "num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+        }
+        if self.memory_mb:
+            options["memory"] = int(self.memory_mb * 1024 * 1024)
+        if self.custom:
+            options["resources"] = dict(self.custom)
+        if self.gpu_bundles:
+            options.update(self._in_placement_group(index, options))
+        return options
+
+    def placement_bundles(self) -> list[dict[str, float]]:
+        """One bundle per engine shard, on one node (STRICT_PACK): 1 GPU, its share of CPUs, memory, custom."""
+        n = self.gpu_bundles
+        bundle: dict[str, float] = {"GPU": 1.0, "CPU": self.num_cpus / n}
+        if self.memory_mb:
+            bundle["memory"] = float(int(self.memory_mb * 1024 * 1024 / n))
+        bundle.update({name: amount / n for name, amount in self.custom})
+        return [dict(bundle) for _ in range(n)]
+
+    def _in_placement_group(self, index: int, options: dict[str, Any]) -> dict[str, Any]:
+        """The actor holds nothing itself: it runs in bundle 0 of its own named, detached placement group,
+        and what it starts (vLLM's shard workers) is placed in the group too (captured child tasks)."""
+        from ray.util.placement_group import get_placement_group, placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        name = f"{self.actor_name(index)}:pg"
+        try:
+            group = get_placement_group(name)
+        except ValueError:
+            group = placement_group(self.placement_bundles(), strategy="STRICT_PACK", name=name, lifetime="detached")
+        options.pop("memory", None)
+        options.pop("resources", None)
+        return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
+
+
+def cpus_for(config: ExperimentConfig) -> float:
+    """Logical CPUs every pool of the experiment holds when all are resident at once
+    (a distributed update: its driver actor plus its Ray Train workers, each with the update's CPUs)."""
+    from verl_tasks.phase_registry import PHASE_NAMES
+
+    shapes = {PoolShape.for_phase(config, phase) for phase in PHASE_NAMES}
+    total = sum(shape.num_cpus * shape.workers for shape in shapes)
+    update = config.phase_resources("update")
+    return total + (update.num_cpus * update.workers if update.distributed else 0)
+
+
+__all__ = ["CPU_KIND", "GATE_KIND", "LIGHT", "NAMESPACE", "PREFIX", "PoolShape", "code_fingerprint", "cpus_for",
+           "pool_kind"]
