@@ -284,3 +284,38 @@ def test_gc_removes_fence_records_past_the_horizon_only(store):
     assert collect(store, layout, older_than_s=3600).fence_records == []  # young: kept
     report = collect(store, layout, older_than_s=3600, now=time.time() + 7200)
     assert report.fence_records == fenced and not [k for k in store.list(unit + "/") if "/.fenced/" in k]
+
+
+def test_a_local_copy_is_a_hard_link_and_a_rewrite_of_the_source_leaves_it(tmp_path):
+    """A snapshot publishing its update's weights writes nothing; the store never changes a file in place."""
+    store = LocalStore(tmp_path / "store")
+    writer = UnitWriter(store, UNIT)
+    writer.write_bytes("model.safetensors", b"weights v1")
+    record, _ = writer.commit()
+    target = UnitWriter(store, "exp/snapshots/00001")
+    target.copy_from(record, "model.safetensors")
+    copied, _ = target.commit()
+    source, linked = tmp_path / "store" / record.key("model.safetensors"), tmp_path / "store" / copied.key("model.safetensors")
+    assert source.stat().st_ino == linked.stat().st_ino and source.stat().st_nlink == 2
+    store.put(record.key("model.safetensors"), b"weights v2")  # a new file renamed over the old name
+    assert linked.read_bytes() == b"weights v1" and verify_unit(store, copied) == []
+
+
+def test_staged_files_join_the_attempt_only_when_the_block_ends(store):
+    writer = UnitWriter(store, UNIT)
+    writer.write_json("meta.json", {"a": 1})
+    with writer.folder() as out:
+        (out / "model.safetensors").write_bytes(b"w" * 1000)
+        (out / "config.json").write_text("{}")
+        assert store.list(UNIT) == [f"{UNIT}/.attempts/{writer.attempt}/meta.json"]  # staged files are in flight
+    assert sorted(writer.files) == ["config.json", "meta.json", "model.safetensors"]
+    record, won = writer.commit()
+    assert won and verify_unit(store, record) == [] and read_bytes(store, record, "model.safetensors") == b"w" * 1000
+    assert store.temp_files(UNIT) == {}  # the staging folder is gone
+
+    failed = UnitWriter(store, "exp/epochs/00000/update")
+    with pytest.raises(RuntimeError, match="trainer crashed"):
+        with failed.folder() as out:
+            (out / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("trainer crashed")
+    assert failed.files == {} and store.list("exp/epochs/00000/update") == []

@@ -133,15 +133,18 @@ def test_05_snapshot_corrupted_after_commit(reference, tmp_path):
     detected = time.monotonic()
     st = status(ctx.config, ctx.store)
     assert st["latest_snapshot"]["version"] == 0
-    assert [q["unit"] for q in st["quarantined"]] == [ctx.layout.snapshot(1)] and st["warnings"]
+    # On a local store the snapshot's weights are a hard link to its update's (written once per epoch):
+    # bytes damaged in place spoil both, and both units are quarantined to be recomputed.
+    assert sorted(q["unit"] for q in st["quarantined"]) == [ctx.layout.update(0), ctx.layout.snapshot(1)]
+    assert st["warnings"]
     kinds = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "fallback"]
     assert kinds and kinds[0]["fell_back_to"] == 0
     ctx.hooks.clear()
     train(ctx, util.EPOCHS)
     st = status(ctx.config, ctx.store)
-    assert st["quarantined"][0]["recovered"] and "recomputed since" in st["warnings"][0]
+    assert all(q["recovered"] for q in st["quarantined"]) and "recomputed since" in st["warnings"][0]
     redone = finish(ctx, reference, "05_snapshot_corrupted", time.monotonic() - detected, mode=mode)
-    assert redone <= 3  # the snapshot, plus the unit that found it (and its update if that copy was bad)
+    assert redone <= 3  # the update and its snapshot, plus the unit that found the damage
 
 
 def test_06_reward_function_raises_hangs_and_crashes(reference, tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ may change between epochs of one experiment. The loss and the loop live in
 """
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +121,9 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
             totals, steps, hyper = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step, resume,
                                                      writer)
         else:
-            with tempfile.TemporaryDirectory() as tmp:
+            with writer.folder() as out:  # written in place: the weights are written once per epoch
                 totals, steps, hyper, kept = _train_here(ctx, epoch, planned, samples, single_step, first_step, resume,
-                                                         Path(tmp))
-                for path in sorted(p for p in Path(tmp).iterdir() if p.is_file()):
-                    writer.write_file(path.name, path)
+                                                         out)
             trained.update(kept)
         lrs = [lr_at(step, **schedule_of(algo)) for step in range(first_step, first_step + steps)]
         metrics = {**_epoch_metrics(totals, steps, samples), "actor/lr": lrs[-1]}

@@ -6,7 +6,10 @@ touches S3 or the disk; everything else speaks in keys.
 from __future__ import annotations
 
 import abc
+import contextlib
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from verl_tasks.errors import UnsafeKey
 
@@ -87,7 +90,19 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def copy(self, src: str, dst: str) -> None:
-        """Copy within the store (server-side on S3)."""
+        """Copy within the store (server-side on S3, a hard link in a local folder)."""
+
+    @contextlib.contextmanager
+    def staging(self, prefix: str) -> Iterator[Path]:
+        """A local folder for files a library writes itself (``save_pretrained``, safetensors): when the
+        block ends without an error, each file in it becomes ``prefix/<name>``. Here: uploaded from a
+        temporary folder, which is then removed."""
+        with tempfile.TemporaryDirectory(prefix="vt-stage-") as tmp:
+            folder = Path(tmp)
+            yield folder
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    self.put_file(f"{prefix.rstrip('/')}/{path.name}", path)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)

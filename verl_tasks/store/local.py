@@ -1,12 +1,14 @@
 """A store in a local directory: the embedded default, and a shared filesystem in production."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import threading
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from verl_tasks.errors import StoreError
 from verl_tasks.store.base import NotFound, ObjectStore, check_key
@@ -128,9 +130,16 @@ class LocalStore(ObjectStore):
         if base.is_file():
             return [] if temp else [base]
         out = []
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, dirs, files in os.walk(base):
+            if self._staged(dirpath):  # inside a staging folder (``staging``): every file is in flight
+                out.extend(Path(dirpath, name) for name in files if temp)
+                continue
             out.extend(Path(dirpath, name) for name in files if name.startswith(".tmp-") == temp)
         return out
+
+    def _staged(self, folder: str) -> bool:
+        """True for a folder at or under a ``.tmp-`` staging folder of this store."""
+        return _IN_FLIGHT in folder[len(str(self.root)):]
 
     def _key_of(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
@@ -144,7 +153,7 @@ class LocalStore(ObjectStore):
         # Plain strings, not Path objects: status and the dashboard list tens of thousands of keys.
         start = len(str(self.root)) + 1
         return sorted(os.path.join(folder, name)[start:] for folder, _dirs, files in os.walk(base)
-                      for name in files if not name.startswith(".tmp-"))
+                      if not self._staged(folder) for name in files if not name.startswith(".tmp-"))
 
     def folders(self, limit: int) -> list[str]:
         try:
@@ -181,11 +190,51 @@ class LocalStore(ObjectStore):
             parent = parent.parent
 
     def copy(self, src: str, dst: str) -> None:
+        """A hard link: nothing in the store changes a file in place (every write is a new file renamed
+        into place), so a second name for the same bytes is a copy that writes nothing. A snapshot
+        publishing the update's weights costs no second write of them. The flip side: damage done to
+        the bytes on disk shows under both names (``phases.fallback`` then recomputes both units).
+        A filesystem without hard links gets a real copy."""
         source = self._path(src)
         if not source.is_file():
             raise NotFound(src)
-        self.put_file(dst, source)
+        target, later = self._path(dst), _invisible(dst)
+        self._makedirs(target.parent, later)
+        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            os.link(source, tmp)
+        except OSError as err:
+            if err.errno not in _NO_HARD_LINKS:
+                raise
+            self.put_file(dst, source)
+            return
+        os.replace(tmp, target)
+        _sync_dir(target.parent, later)
 
+    @contextlib.contextmanager
+    def staging(self, prefix: str) -> Iterator[Path]:
+        """A ``.tmp-`` folder inside ``prefix``'s own: its files are fsynced and renamed into place when
+        the block ends (the same filesystem: no copy). Readers and ``list`` never look inside it."""
+        folder = self._path(prefix.rstrip("/"))
+        later = _invisible(prefix.rstrip("/") + "/")
+        self._makedirs(folder, later)
+        stage = folder / f".tmp-{uuid.uuid4().hex}"
+        stage.mkdir()
+        try:
+            yield stage
+            for path in sorted(stage.iterdir()):
+                if path.is_file():
+                    with open(path, "rb") as handle:
+                        os.fsync(handle.fileno())
+                    os.replace(path, folder / path.name)
+            _sync_dir(folder, later)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+_IN_FLIGHT = f"{os.sep}.tmp-"  # a path through a staging folder
+# Where os.link reports a filesystem (or its mount) without hard links; LocalStore.copy then copies.
+_NO_HARD_LINKS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 # Folders with new entries (attempt files, their new folders) not yet fsynced, process-wide: a
 # marker may be written through another LocalStore object than its files were.

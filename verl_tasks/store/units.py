@@ -13,6 +13,7 @@ marker, the loser deletes its folder and returns the winner's record.
 from __future__ import annotations
 
 import calendar
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from verl_tasks.errors import AttemptFenced, IntegrityError, StoreError
 from verl_tasks.store.base import NotFound, ObjectStore
@@ -150,6 +151,17 @@ class UnitWriter:
         path = Path(path)
         self.store.put_file(self._attempt_key(name), path)
         self.files[name] = FileEntry(path.stat().st_size, sha256_file(path))
+
+    @contextlib.contextmanager
+    def folder(self) -> Iterator[Path]:
+        """A local folder for files a library writes itself (an HF policy folder, optimizer state); each
+        file in it becomes one of this attempt's when the block ends without an error. On a local store
+        the folder is inside the attempt's (files are renamed in, never copied); elsewhere it is uploaded."""
+        with self.store.staging(f"{self.unit}/{ATTEMPTS}/{self.attempt}") as stage:
+            yield stage
+            for path in sorted(p for p in stage.iterdir() if p.is_file()):
+                self._attempt_key(path.name)  # a name the attempt may hold
+                self.files[path.name] = FileEntry(path.stat().st_size, sha256_file(path))
 
     def copy_from(self, record: CommitRecord, name: str, as_name: str | None = None) -> None:
         """Copy a verified file of another committed unit into this attempt (server-side)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -193,8 +192,7 @@ def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch
     import torch.distributed as dist
 
     hyper: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
+    with writer.folder() as out:  # this worker's own staging folder: ranks never see each other's files
         if model is not core:  # ddp: rank 0 holds everything
             if rank == 0:
                 core.eval()
@@ -210,8 +208,6 @@ def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch
                 index = optimizer_index(optimizer, {optimizer_shard_name(r): every[r] for r in range(world)})
                 (out / OPTIMIZER_INDEX).write_text(json.dumps(index, sort_keys=True, indent=1))
                 hyper = {"param_groups": index["param_groups"]}
-        for path in sorted(out.iterdir()):
-            writer.write_file(path.name, path)
     return hyper
 
 
