@@ -14,10 +14,10 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import ConfigError, SafeMode, SnapshotPruned
 from verl_tasks.phase_registry import PHASES, phase as phase_spec
 from verl_tasks.phases import PhaseContext
-from verl_tasks.status import status
+from verl_tasks.status import epoch_done, status
 from verl_tasks.store import store_for
 from verl_tasks.store.conventions import read_skipped
-from verl_tasks.store.units import CommitRecord, is_committed
+from verl_tasks.store.units import CommitRecord
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +85,6 @@ def _tried(ctx: PhaseContext, phase: str, epoch: int, batch: int | None, tries: 
     return False
 
 
-def epoch_done(ctx: PhaseContext, epoch: int, total_epochs: int) -> bool:
-    if not is_committed(ctx.store, ctx.layout.snapshot(epoch + 1)):
-        return False
-    return not ctx.config.should_evaluate(epoch, total_epochs) or is_committed(ctx.store, ctx.layout.evaluate(epoch))
-
-
 def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None,
           run_units: UnitRunner = run_in_process) -> dict[str, Any]:
     """Run epochs ``0..epochs-1``; committed units are skipped. Returns the status.
@@ -99,12 +93,12 @@ def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None,
     quarantined and training resumes from the previous valid one (``phases.fallback``).
     ``run_units`` runs one phase's units (in this process, or on Ray worker pools).
     """
-    if not all(epoch_done(ctx, e, epochs) for e in range(epochs)):
+    if not all(epoch_done(ctx.config, ctx.store, ctx.layout, e, epochs) for e in range(epochs)):
         from verl_tasks.phases.fallback import check_resume_point
 
         check_resume_point(ctx)
     for epoch in range(epochs):
-        if epoch_done(ctx, epoch, epochs):
+        if epoch_done(ctx.config, ctx.store, ctx.layout, epoch, epochs):
             if progress:
                 progress("epoch-skipped", epoch, None)
             continue

@@ -17,11 +17,19 @@ from verl_tasks.ops.safe_mode import read_safe_mode
 from verl_tasks.phase_registry import PHASES
 from verl_tasks.store.base import ObjectStore
 from verl_tasks.store.conventions import quarantine_records, read_best, read_latest, read_skipped
-from verl_tasks.store.units import MARKER, PRUNED, read_marker
+from verl_tasks.store.units import MARKER, PRUNED, is_committed, read_marker
 
 READERS = 8  # concurrent marker reads (S3 round trips overlap; a local disk does not mind)
 UPDATE_METRICS = ("reward_mean", "reward_std", "actor/loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
                   "actor/entropy")
+
+
+def epoch_done(config: ExperimentConfig, store: ObjectStore, layout: Layout, epoch: int, total_epochs: int) -> bool:
+    """Epoch ``epoch`` of a run of ``total_epochs`` left nothing to do: its snapshot (every other unit
+    of the epoch is its input) and, when the run evaluates after it, its evaluation are committed."""
+    if not is_committed(store, layout.snapshot(epoch + 1)):
+        return False
+    return not config.should_evaluate(epoch, total_epochs) or is_committed(store, layout.evaluate(epoch))
 
 
 def epoch_units(config: ExperimentConfig, layout: Layout, epoch: int) -> dict[str, list[str]]:

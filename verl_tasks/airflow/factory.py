@@ -154,6 +154,9 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                     if ft.safe_mode:
                         kwargs["on_retry_callback"] = callbacks.escalation(callbacks.on_retry, notifiers)
                         kwargs["on_failure_callback"] = callbacks.escalation(callbacks.on_failure, notifiers)
+                    if phase == "plan":
+                        # configure skips the tasks of epochs with nothing left to do; the next one still runs
+                        kwargs["trigger_rule"] = "none_failed"
                     if phase in ("score", "validate") and ft.min_committed_batch_fraction < 1:
                         # A mapped task waits on every instance upstream: a batch that failed for good must
                         # not block the others' scores, nor validate, which records the batches it may skip.

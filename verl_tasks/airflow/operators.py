@@ -104,6 +104,7 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         from verl_tasks.execution.lineage import start_experiment
         from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
+        from verl_tasks.status import epoch_done
 
         params = dict(context.get("params") or {})
         cfg, access = self.resolve(context)
@@ -120,28 +121,44 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
                                    version=None if version is None else int(version),
                                    scheduled_parent=cfg.schedule.parent if scheduled else None)
         result = {**started, "epochs": cfg.epochs, "store": cfg.storage.uri}
-        self._skip_epochs_beyond(context, cfg.epochs, result)
+        layout = Layout(cfg.experiment)
+        done = [epoch for epoch in range(cfg.epochs) if epoch_done(cfg, store, layout, epoch, cfg.epochs)]
+        self._skip_epochs(context, cfg.epochs, cfg.rollout.batches_per_epoch, done, result)
         return result
 
-    def _skip_epochs_beyond(self, context: Any, epochs: int, result: dict[str, Any]) -> None:
-        """A run of fewer epochs than the DAG has skips the other epochs' tasks here, all at once.
+    def _skip_epochs(self, context: Any, epochs: int, batches: int, done: list[int], result: dict[str, Any]) -> None:
+        """Skip, here and all at once, the tasks of epochs this run has nothing to do in: those beyond
+        its ``epochs``, and those whose units are all committed (a rerun, a Clear of the whole run).
 
-        Left to trigger rules, Airflow skips them one dependency level per scheduling loop
-        (about 40 s for 6 idle epochs under ``airflow dags test``); their own operators would
-        still skip them if they ran (a Clear of one of them, say).
+        Left to their own operators, each of those tasks would start, resolve the run's config and find
+        its marker (about 0.5 s a task under ``airflow dags test``); left to trigger rules, later epochs
+        are skipped one dependency level per scheduling loop (about 40 s for 6 idle epochs). An epoch's
+        ``plan`` runs when the epoch before it was skipped (``none_failed``). A skipped task that is
+        cleared on its own still runs, and still finds its marker.
         """
         dag = self.dag if self.has_dag() else None
-        later = [task.task_id for task in (dag.tasks if dag is not None else [])
-                 if (epoch := epoch_of(task.task_id)) is not None and epoch >= epochs]
-        if not later:
+        by_epoch = [(task, epoch) for task in (dag.tasks if dag is not None else [])
+                    if (epoch := epoch_of(task.task_id)) is not None]
+        later = [task.task_id for task, epoch in by_epoch if epoch >= epochs]
+        committed = [task.task_id for task, epoch in by_epoch if epoch in set(done)]
+        if not later and not committed:
             return
+        # A mapped task not yet expanded is one instance (map index -1); once expanded (a Clear of a run
+        # that ran), one per batch: both are named, and a name no instance has is ignored.
+        expanded = [(task.task_id, index) for task, epoch in by_epoch
+                    if task.is_mapped and (epoch >= epochs or epoch in set(done)) for index in range(batches)]
         from airflow.sdk.exceptions import DownstreamTasksSkipped
 
         ti = context.get("ti")
         if ti is not None:
             ti.xcom_push(key="return_value", value=result)  # the skip path does not push the return value
-        self.log.info("this run trains %d epoch(s): skipping the %d tasks of the DAG's later epochs", epochs, len(later))
-        raise DownstreamTasksSkipped(tasks=later)
+        if committed:
+            self.log.info("epoch(s) %s left nothing to do (every unit committed): skipping their %d tasks",
+                          ", ".join(map(str, done)), len(committed))
+        if later:
+            self.log.info("this run trains %d epoch(s): skipping the %d tasks of the DAG's later epochs", epochs,
+                          len(later))
+        raise DownstreamTasksSkipped(tasks=committed + later + expanded)
 
 
 class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
