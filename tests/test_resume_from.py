@@ -78,3 +78,26 @@ def test_policy_is_shared_with_airflow(parent):
     started = start_experiment(ctx.store, cfg, scheduled_parent="parent-x")
     assert started["parent"]["version"] == 0 and _weights(ctx, "child-z", 0) == _weights(ctx, "parent-x", 0)
     assert parse_source("parent-x") == ("parent-x", None) and parse_source("parent-x:12") == ("parent-x", 12)
+
+
+def test_the_resume_and_fork_policy_imports_no_torch(parent):
+    """Airflow's configure runs it before any compute: a fork and a resume leave torch unimported."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        from verl_tasks.config import load_config
+        from verl_tasks.execution.lineage import start_experiment
+        from verl_tasks.store import open_store
+        cfg = load_config({str(TINY_YAML)!r}, {{"storage.uri": {parent["uri"]!r}, "experiment": "child-no-torch"}})
+        store = open_store(cfg.storage.uri)
+        forked = start_experiment(store, cfg, resume="snapshot", parent="parent-x")
+        again = start_experiment(store, cfg, resume="latest")
+        assert forked["parent"]["experiment"] == again["parent"]["experiment"] == "parent-x", (forked, again)
+        print("torch imported:", "torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch imported: False" in done.stdout, done.stdout + done.stderr[-2000:]
