@@ -129,8 +129,22 @@ def main() -> None:
     extra = ROOT / "benchmarks" / "airflow.md"
     if extra.exists():
         text += "\n" + extra.read_text()
-    Path(args.output).write_text(text)
+    output = Path(args.output)
+    output.write_text(replace_generated(output.read_text() if output.exists() else "", text))
     print(text)
+
+
+START, END = "<!-- make bench: generated from here -->", "<!-- make bench: generated up to here -->"
+
+
+def replace_generated(document: str, generated: str) -> str:
+    """The document with its generated block replaced; the sections written by hand (each with the
+    command that produced it) are kept. A document without the block gets it at the top."""
+    block = f"{START}\n{generated.rstrip()}\n{END}\n"
+    if START in document and END in document:
+        head, rest = document.split(START, 1)
+        return head + block + "\n" + rest.split(END, 1)[1].lstrip("\n")
+    return block + ("\n" + document if document else "")
 
 
 if __name__ == "__main__":
