@@ -319,3 +319,15 @@ def test_staged_files_join_the_attempt_only_when_the_block_ends(store):
             (out / "model.safetensors").write_bytes(b"half")
             raise RuntimeError("trainer crashed")
     assert failed.files == {} and store.list("exp/epochs/00000/update") == []
+
+
+def test_no_space_while_a_library_writes_into_the_staging_folder_is_the_stores_clear_error(tmp_path):
+    import errno
+
+    store = LocalStore(tmp_path / "store")
+    writer = UnitWriter(store, UNIT)
+    with pytest.raises(StoreError, match="no space left .* nothing was committed"):
+        with writer.folder() as out:
+            (out / "model.safetensors").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")  # what safetensors raises on a full disk
+    assert writer.files == {} and store.list(UNIT) == [] and store.temp_files(UNIT) == {}

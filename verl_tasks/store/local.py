@@ -66,12 +66,13 @@ class LocalStore(ObjectStore):
         except OSError as err:
             Path(tmp).unlink(missing_ok=True)
             if err.errno == errno.ENOSPC:
-                raise StoreError(
-                    f"no space left on the device holding {self.root} while writing {target.name}; "
-                    f"free space (try `verl-tasks gc`) and retry: nothing was committed"
-                ) from err
+                raise self._no_space(target.name) from err
             raise
         return Path(tmp)
+
+    def _no_space(self, what: str) -> StoreError:
+        return StoreError(f"no space left on the device holding {self.root} while writing {what}; "
+                          f"free space (try `verl-tasks gc`) and retry: nothing was committed")
 
     def put(self, key: str, data: bytes) -> None:
         target, later = self._path(key), _invisible(key)
@@ -228,6 +229,10 @@ class LocalStore(ObjectStore):
                         os.fsync(handle.fileno())
                     os.replace(path, folder / path.name)
             _sync_dir(folder, later)
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                raise self._no_space(prefix) from err
+            raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)
 
