@@ -75,7 +75,6 @@ def run(running: Running, address: str) -> Outcome:
 
     began = time.time()
     pools.ensure_connected(address)  # once per process; token auth from RAY_AUTH_TOKEN[_PATH]
-    pools.start_cpu_pools(running.config)  # once per process and experiment: their start-ups overlap
     connected = time.time()
     submitted: list[float] = []
 

@@ -82,7 +82,6 @@ def _run_on_pool(config, spec: UnitSpec) -> dict:
     from verl_tasks.store.units import new_attempt_id
 
     pools.ensure_connected()
-    pools.start_cpu_pools(config)  # existing actors answer at once; missing ones start side by side
     attempt = new_attempt_id()
     running: list = []
 

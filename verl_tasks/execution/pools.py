@@ -47,7 +47,10 @@ STATE_WAIT_S = 0.2
 STATE_POLL_S = 0.5
 WAIT_SLICE_S = 0.2
 ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-RESENDS = 5
+# How long a unit keeps being sent again to an actor Ray is restarting: a restart is a new worker
+# process importing torch (and, on a GPU pool, building an engine): seconds on a busy 2-core machine,
+# tens of seconds on a GPU node. Five quick tries (7.5 s) gave up on a busy machine.
+RESEND_WINDOW_S = 120.0
 
 
 class _Capture(logging.Handler):
@@ -270,25 +273,29 @@ def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = 
 def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, timeout_s: float | None,
              on_submit: Callable[[Any], None] | None = None,
              cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """Submit and wait; a call that reached an actor while Ray restarted it is sent again.
+    """Submit and wait; a call that reached an actor while Ray restarted it is sent again, for up to
+    ``RESEND_WINDOW_S`` after the first refusal.
 
     Ray fails such a call at once ("temporarily unavailable"); sending the same attempt
     again is safe: a unit that did commit is skipped, one that did not is redone to the
     same bytes. Not when ``cancelled()`` says the caller killed that actor itself.
     ``on_submit`` hears each actor the unit is sent to (to cancel it there).
     """
-    for resend in range(RESENDS + 1):
+    first_refused: float | None = None
+    resend = 0
+    while True:
         ref, actor = submit(config, spec, attempt)
         if on_submit:
             on_submit(actor)
         try:
             return wait(config, spec, attempt, ref, actor, timeout_s)
         except ray.exceptions.ActorUnavailableError:
-            if resend == RESENDS or (cancelled is not None and cancelled()):
+            first_refused = first_refused or time.monotonic()
+            if time.monotonic() - first_refused > RESEND_WINDOW_S or (cancelled is not None and cancelled()):
                 raise
-            log.info("%s reached its worker while Ray restarted it; sending it again", spec.label)
-            time.sleep(STATE_POLL_S * (resend + 1))
-    raise AssertionError("unreachable")  # pragma: no cover
+            resend += 1
+            log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label, resend)
+            time.sleep(min(2.0, STATE_POLL_S * resend))
 
 
 def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
