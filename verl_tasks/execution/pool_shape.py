@@ -24,6 +24,7 @@ GATE_KIND = "gate"  # validate: Great Expectations, no policy
 # loading it (GPU phases keep a pool per kind: a rollout engine and a trainer do not share a device).
 CPU_KIND = "cpu"
 
+
 def pool_kind(phase: str) -> str:
     if phase == "validate":
         return GATE_KIND
