@@ -137,16 +137,16 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         cleared on its own still runs, and still finds its marker.
         """
         dag = self.dag if self.has_dag() else None
-        by_epoch = [(task, epoch) for task in (dag.tasks if dag is not None else [])
-                    if (epoch := epoch_of(task.task_id)) is not None]
-        later = [task.task_id for task, epoch in by_epoch if epoch >= epochs]
-        committed = [task.task_id for task, epoch in by_epoch if epoch in set(done)]
-        if not later and not committed:
+        finished = set(done)
+        tasks = [(task, epoch) for task in (dag.tasks if dag is not None else [])
+                 if (epoch := epoch_of(task.task_id)) is not None and (epoch >= epochs or epoch in finished)]
+        if not tasks:
             return
+        committed = sum(1 for _, epoch in tasks if epoch < epochs)
         # A mapped task not yet expanded is one instance (map index -1); once expanded (a Clear of a run
         # that ran), one per batch: both are named, and a name no instance has is ignored.
-        expanded = [(task.task_id, index) for task, epoch in by_epoch
-                    if task.is_mapped and (epoch >= epochs or epoch in set(done)) for index in range(batches)]
+        names = [task.task_id for task, _ in tasks] + [
+            (task.task_id, index) for task, _ in tasks if task.is_mapped for index in range(batches)]
         from airflow.sdk.exceptions import DownstreamTasksSkipped
 
         ti = context.get("ti")
@@ -154,11 +154,11 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
             ti.xcom_push(key="return_value", value=result)  # the skip path does not push the return value
         if committed:
             self.log.info("epoch(s) %s left nothing to do (every unit committed): skipping their %d tasks",
-                          ", ".join(map(str, done)), len(committed))
-        if later:
+                          ", ".join(map(str, done)), committed)
+        if len(tasks) > committed:
             self.log.info("this run trains %d epoch(s): skipping the %d tasks of the DAG's later epochs", epochs,
-                          len(later))
-        raise DownstreamTasksSkipped(tasks=committed + later + expanded)
+                          len(tasks) - committed)
+        raise DownstreamTasksSkipped(tasks=names)
 
 
 class VerlPhaseOperator(_RunConfigMixin, BaseOperator):

@@ -121,16 +121,20 @@ class PoolShape:
             group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
 
 
+def experiment_shapes(config: ExperimentConfig) -> set[PoolShape]:
+    """Every pool the experiment's phases use (phases sharing a pool give one shape)."""
+    from verl_tasks.phase_registry import PHASE_NAMES
+
+    return {PoolShape.for_phase(config, phase) for phase in PHASE_NAMES}
+
+
 def cpus_for(config: ExperimentConfig) -> float:
     """Logical CPUs every pool of the experiment holds when all are resident at once
     (a distributed update: its driver actor plus its Ray Train workers, each with the update's CPUs)."""
-    from verl_tasks.phase_registry import PHASE_NAMES
-
-    shapes = {PoolShape.for_phase(config, phase) for phase in PHASE_NAMES}
-    total = sum(shape.num_cpus * shape.workers for shape in shapes)
+    total = sum(shape.num_cpus * shape.workers for shape in experiment_shapes(config))
     update = config.phase_resources("update")
     return total + (update.num_cpus * update.workers if update.distributed else 0)
 
 
 __all__ = ["CPU_KIND", "GATE_KIND", "LIGHT", "NAMESPACE", "PREFIX", "PoolShape", "code_fingerprint", "cpus_for",
-           "pool_kind"]
+           "experiment_shapes", "pool_kind"]

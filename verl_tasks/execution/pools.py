@@ -39,7 +39,7 @@ import ray
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.pool_shape import (GATE_KIND, NAMESPACE, PREFIX, PoolShape, code_fingerprint,
-                                             pool_kind)
+                                             experiment_shapes, pool_kind)
 
 log = logging.getLogger(__name__)
 
@@ -213,10 +213,7 @@ def start_cpu_pools(config: ExperimentConfig) -> None:
     if config.experiment in _started:
         return
     _started.add(config.experiment)
-    from verl_tasks.phase_registry import PHASE_NAMES
-
-    shapes = {PoolShape.for_phase(config, phase) for phase in PHASE_NAMES}
-    for shape in sorted(shapes, key=lambda s: s.kind):
+    for shape in sorted(experiment_shapes(config), key=lambda s: s.kind):
         if shape.num_gpus == 0 and not shape.gpu_bundles:
             pool_actors(shape)
 

@@ -50,7 +50,7 @@ class LocalStore(ObjectStore):
             self._makedirs(target.parent, later)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        tmp = _in_flight_name(target.parent)
         # 0o666 under the umask (mkstemp would make it 0600, unreadable to the group).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
@@ -131,7 +131,7 @@ class LocalStore(ObjectStore):
         if base.is_file():
             return [] if temp else [base]
         out = []
-        for dirpath, dirs, files in os.walk(base):
+        for dirpath, _dirs, files in os.walk(base):
             if self._staged(dirpath):  # inside a staging folder (``staging``): every file is in flight
                 out.extend(Path(dirpath, name) for name in files if temp)
                 continue
@@ -201,7 +201,7 @@ class LocalStore(ObjectStore):
             raise NotFound(src)
         target, later = self._path(dst), _invisible(dst)
         self._makedirs(target.parent, later)
-        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        tmp = _in_flight_name(target.parent)
         try:
             os.link(source, tmp)
         except OSError as err:
@@ -219,7 +219,7 @@ class LocalStore(ObjectStore):
         folder = self._path(prefix.rstrip("/"))
         later = _invisible(prefix.rstrip("/") + "/")
         self._makedirs(folder, later)
-        stage = folder / f".tmp-{uuid.uuid4().hex}"
+        stage = _in_flight_name(folder)
         stage.mkdir()
         try:
             yield stage
@@ -238,6 +238,11 @@ class LocalStore(ObjectStore):
 
 
 _IN_FLIGHT = f"{os.sep}.tmp-"  # a path through a staging folder
+
+
+def _in_flight_name(folder: Path) -> Path:
+    """A fresh ``.tmp-`` name in ``folder``: a file or folder being written, invisible to readers."""
+    return folder / f".tmp-{uuid.uuid4().hex}"
 # Where os.link reports a filesystem (or its mount) without hard links; LocalStore.copy then copies.
 _NO_HARD_LINKS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
