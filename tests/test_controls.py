@@ -21,7 +21,7 @@ import pytest
 
 from verl_tasks.algos import lr_at
 from verl_tasks.config import load_config
-from verl_tasks.errors import ConfigError, PhaseFailed
+from verl_tasks.errors import ConfigError, DataError, PhaseFailed
 from verl_tasks.layout import Layout
 from verl_tasks.phases.snapshot import apply_retention
 from verl_tasks.runner import make_context, run_phase, status, train
@@ -235,7 +235,23 @@ def test_with_fraction_one_the_failing_batch_stops_the_run(tiny_config, tmp_path
     ctx, tries = _faulty(tiny_config, f"file://{tmp_path}/strict", 1.0, {2})
     with pytest.raises(BatchFault):
         train(ctx, 1)
-    assert tries == [2] and not is_committed(ctx.store, ctx.layout.validate(0))
+    assert tries == [2, 2], "retried as on the pools, then raised: nothing is left out at fraction 1"
+    assert not is_committed(ctx.store, ctx.layout.validate(0))
+
+
+def test_a_deterministic_error_is_not_retried(tiny_config, tmp_path):
+    ctx, _ = _faulty(tiny_config, f"file://{tmp_path}/strict", 0.75, set())
+    tries = []
+
+    def bad_input(phase, batch, **_):
+        if phase == "score" and batch == 1:
+            tries.append(batch)
+            raise DataError("batch 1 holds a malformed row (injected)")
+
+    ctx.hooks["before_commit"] = bad_input
+    with pytest.raises(DataError, match="malformed row"):
+        train(ctx, 1)
+    assert tries == [1], "a person must change something first: neither retried nor left out"
 
 
 def test_too_many_failed_batches_fail_validate_naming_the_setting(tiny_config, tmp_path):

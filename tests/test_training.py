@@ -151,7 +151,8 @@ def test_verl_parquet_format_is_read(tiny_config, tmp_path):
 
 
 def test_reward_failures_above_threshold_fail_the_batch_and_keep_commits(tiny_config, monkeypatch):
-    ctx = make_context(tiny_config(epochs=2, **{"rewards.function": "tests.reward_fixtures:env_switch"}))
+    ctx = make_context(tiny_config(epochs=2, **{"rewards.function": "tests.reward_fixtures:env_switch",
+                                                "fault_tolerance.retries": 1, "fault_tolerance.retry_delay_s": 0}))
     train(ctx, 1)
     committed_before = {k for k in ctx.store.list(ctx.config.experiment + "/") if k.endswith("_SUCCESS")}
     monkeypatch.setenv("VT_TEST_REWARD_FAIL", "1")

@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.errors import ConfigError, SafeMode, SnapshotPruned
+from verl_tasks.execution.outcome import LEAVE_OUT, RAISE, after_failure
 from verl_tasks.phase_registry import PHASES, phase as phase_spec
 from verl_tasks.phases import PhaseContext
 from verl_tasks.status import epoch_done, status
@@ -47,42 +47,34 @@ def epoch_units(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[
 UnitRunner = Callable[[PhaseContext, str, int, list], Iterable]
 
 
-# Failures that another in-process try cannot change: they stop the run whatever the batch fraction.
-NOT_SKIPPABLE = (ConfigError, SafeMode, SnapshotPruned)
-
-
 def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int | None]) -> Iterator[int | None]:
     """The inline unit runner: one unit after another in this process; yields each batch when committed.
 
-    Inline there is no scheduler to retry, so with ``fault_tolerance.min_committed_batch_fraction``
-    below 1 a batched unit that raises is tried ``1 + fault_tolerance.retries`` times here
-    (``retry_delay_s`` apart) and then left out: the epoch's validate decides whether it may go
-    on without that batch (and records it as skipped). At 1.0 the first failure stops the run.
+    A unit that raises follows :func:`verl_tasks.execution.outcome.after_failure`, the policy
+    the Ray pools follow too: a transient error is tried again (``retry_delay_s`` apart) until
+    ``1 + fault_tolerance.retries`` tries are spent; then a batched unit is left out when
+    ``min_committed_batch_fraction`` < 1 (the epoch's validate decides), else the error stops the run.
     """
+    batched = phase_spec(phase).batched
     ft = ctx.config.fault_tolerance
-    tolerant = phase_spec(phase).batched and ft.min_committed_batch_fraction < 1
     for batch in batches:
-        if not tolerant:
-            run_phase(ctx, phase, epoch, batch)
-            yield batch
-        elif _tried(ctx, phase, epoch, batch, 1 + ft.retries, ft.retry_delay_s):
-            yield batch
-
-
-def _tried(ctx: PhaseContext, phase: str, epoch: int, batch: int | None, tries: int, delay_s: float) -> bool:
-    """Run one unit up to ``tries`` times; False when every try raised."""
-    for attempt in range(1, tries + 1):
-        try:
-            run_phase(ctx, phase, epoch, batch)
-            return True
-        except NOT_SKIPPABLE:
-            raise
-        except Exception as err:  # noqa: BLE001 - a failed batch may be skipped: validate decides
-            log.warning("%s of epoch %d batch %s failed (try %d of %d): %s: %s", phase, epoch, batch, attempt, tries,
-                        type(err).__name__, err)
-            if attempt < tries:
-                time.sleep(delay_s)
-    return False
+        tries = 1
+        while True:
+            try:
+                run_phase(ctx, phase, epoch, batch)
+            except Exception as err:  # noqa: BLE001 - the shared policy decides what a failure means
+                step = after_failure(ft, batched, err, tries)
+                log.warning("%s of epoch %d batch %s failed (try %d of %d): %s: %s; %s", phase, epoch, batch, tries,
+                            1 + ft.retries, type(err).__name__, err, step)
+                if step == RAISE:
+                    raise
+                if step == LEAVE_OUT:
+                    break
+                time.sleep(ft.retry_delay_s)
+                tries += 1
+            else:
+                yield batch
+                break
 
 
 def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None,

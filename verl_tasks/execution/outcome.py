@@ -34,6 +34,25 @@ def is_deterministic(err: BaseException) -> bool:
     return isinstance(err, DETERMINISTIC)
 
 
+RETRY, LEAVE_OUT, RAISE = "retry", "leave out", "raise"
+
+
+def after_failure(fault_tolerance: Any, batched: bool, error: BaseException, tries: int) -> str:
+    """What a unit runner does once try number ``tries`` of a unit raised ``error``.
+
+    One policy for every runner (inline, Ray pools), as Airflow applies it to a task:
+    a transient error is retried until ``1 + retries`` tries are spent; a deterministic
+    one is not retried. A batched unit that is out of tries is left out when
+    ``min_committed_batch_fraction`` < 1 (the epoch's validate decides whether the
+    epoch may go on without it); anything else is raised.
+    """
+    if is_deterministic(error):
+        return RAISE
+    if tries <= fault_tolerance.retries:
+        return RETRY
+    return LEAVE_OUT if batched and fault_tolerance.min_committed_batch_fraction < 1 else RAISE
+
+
 def _plain(value: Any) -> bool:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return len(str(value)) <= MAX_MESSAGE
@@ -94,5 +113,5 @@ def describe(result: dict[str, Any] | None) -> str:
     return str(error) if error else "no result line"
 
 
-__all__ = ["DETERMINISTIC", "REGISTRY", "is_deterministic", "error_payload", "failure_result", "parse_result",
+__all__ = ["DETERMINISTIC", "REGISTRY", "is_deterministic", "after_failure", "RETRY", "LEAVE_OUT", "RAISE", "error_payload", "failure_result", "parse_result",
            "error_from_result", "describe"]

@@ -334,13 +334,12 @@ def _wait_started(ref: Any, actor: Any, attempt: str | None) -> float:
 def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) -> Iterator[int | None]:
     """A unit runner for :func:`verl_tasks.runner.train`: a phase's units at once on its pool.
 
-    Yields each batch as its unit commits. A unit that fails transiently (its worker died, a
-    timeout, a phase error) is tried ``1 + fault_tolerance.retries`` times, each a new attempt,
-    as Airflow would; deterministic errors (``outcome.DETERMINISTIC``) are not retried. Then,
-    as inline, a batched unit may be left out when ``min_committed_batch_fraction`` < 1 (the
-    epoch's validate decides); otherwise the first failure is raised after the others finish.
+    Yields each batch as its unit commits. A failed unit (its worker died, a timeout, a phase
+    error) follows :func:`verl_tasks.execution.outcome.after_failure`, as the inline runner
+    does: each retry is a new attempt; the first failure that is not retried nor left out is
+    raised once the other units finish.
     """
-    from verl_tasks.execution.outcome import describe, error_from_result, is_deterministic
+    from verl_tasks.execution.outcome import LEAVE_OUT, RETRY, after_failure, describe, error_from_result
     from verl_tasks.errors import PhaseFailed
     from verl_tasks.phase_registry import phase as phase_spec
     from verl_tasks.store.units import new_attempt_id
@@ -348,7 +347,7 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
     config = ctx.config
     start_cpu_pools(config)
     ft = config.fault_tolerance
-    tolerant = phase_spec(phase).batched and ft.min_committed_batch_fraction < 1
+    batched = phase_spec(phase).batched
     pending: dict[Any, tuple[UnitSpec, str, Any, int]] = {}
 
     def launch(batch: int | None, tries: int) -> None:
@@ -377,14 +376,12 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
             yield spec.batch
             continue
         error = error_from_result(result) or PhaseFailed(spec.label, describe(result))
-        if not is_deterministic(error) and tries <= ft.retries:
-            log.warning("%s failed (try %d of %d): %s; retrying as a new attempt", spec.label, tries,
-                        1 + ft.retries, error)
+        step = after_failure(ft, batched, error, tries)
+        log.warning("%s failed (try %d of %d): %s; %s", spec.label, tries, 1 + ft.retries, error, step)
+        if step == RETRY:
             time.sleep(ft.retry_delay_s)
-            launch(spec.batch, tries + 1)
-        elif tolerant and not is_deterministic(error):
-            log.warning("%s failed all its tries; validate decides whether the epoch goes on without it", spec.label)
-        elif failure is None:
+            launch(spec.batch, tries + 1)  # a new attempt, as Airflow's retry would be
+        elif step != LEAVE_OUT and failure is None:
             failure = error
     if failure is not None:
         raise failure
