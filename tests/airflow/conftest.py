@@ -1,4 +1,4 @@
-"""Shared fixtures: a project-local Airflow home (SQLite), and a Ray head started once per session."""
+"""Shared fixtures: a project-local Airflow home (SQLite), a Ray head and a two-team api-server, each started once."""
 from __future__ import annotations
 
 import os
@@ -40,3 +40,12 @@ def ray_head(tmp_path_factory):
     info = local_head.start(state, port=port, dashboard_port=port + 1900, num_cpus=8)
     yield info
     local_head.stop(state)
+
+
+@pytest.fixture(scope="session")
+def team_api_server(tmp_path_factory):
+    """The two-team ``airflow api-server`` of the dashboard-auth and metrics-route tests: (base URL, passwords)."""
+    from tests.airflow.api_server import team_server
+
+    with team_server(tmp_path_factory.mktemp("team-api-server")) as served:
+        yield served

@@ -9,24 +9,17 @@ also copied to ``docs/img/dashboard.png`` (the README shows it).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 
 from benchmarks.dashboard_render import fabricate
-from tests.airflow.e2e_support import free_port, wait_for
+from tests.airflow.api_server import REPO, airflow_cli, airflow_env, serving, write_passwords
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
@@ -63,56 +56,18 @@ def _failed_attempt(store_root: Path) -> None:
     record_event(LocalStore(store_root), Layout(EXPERIMENT), "failed", error="RuntimeError: worker lost", **ids)
 
 
-def _env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
-    env.update({
-        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        "AIRFLOW_HOME": str(root),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{root}/airflow.db",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(root / "passwords.json"),
-        "AIRFLOW__API__SECRET_KEY": os.urandom(16).hex(),
-        "AIRFLOW__API_AUTH__JWT_SECRET": os.urandom(32).hex(),
-        "VERL_TASKS_EXPERIMENTS_DIR": str(root / "experiments"),
-    })
-    return env
-
-
-def _airflow(env: dict[str, str], *args: str) -> None:
-    done = subprocess.run([str(VENV_BIN / "airflow"), *args], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"airflow {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-
-
 @pytest.fixture(scope="module")
 def airflow_ui(tmp_path_factory):
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make install` (it installs Debian's chromium)")
     root = tmp_path_factory.mktemp("dashboard-browser")
     _layout(root)
-    password = f"pw-{os.urandom(6).hex()}"
-    (root / "passwords.json").write_text(json.dumps({"admin": password}))
-    env = _env(root)
-    _airflow(env, "db", "migrate")
-    _airflow(env, "dags", "reserialize")
-    port = free_port()
-    log = open(root / "api-server.log", "ab")
-    proc = subprocess.Popen([str(VENV_BIN / "airflow"), "api-server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("the api-server", lambda: requests.get(f"{base}/api/v2/monitor/health", timeout=5).ok, 180,
-                 diagnose=lambda: (root / "api-server.log").read_text(errors="replace")[-3000:])
+    password = write_passwords(root, {"admin": None})["admin"]
+    env = airflow_env(root, {"admin": ("admin", None)}, AIRFLOW__CORE__DAGS_FOLDER=str(root / "dags"))
+    airflow_cli(env, "db", "migrate")
+    airflow_cli(env, "dags", "reserialize")
+    with serving(root, env) as base:
         yield base, password, root
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
