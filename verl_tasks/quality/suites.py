@@ -153,11 +153,15 @@ def _run(frame, limits: Limits, result_format: str):
     """One GE validation pass of the suite over ``frame``."""
     with _LOCK:  # GE's context is not thread-safe; a worker may run units concurrently
         COUNTS["passes"] += 1
-        definition = _batch_definition()
+        definition = _batch_definition()  # imports GE whole first: a submodule imported alone
+        from great_expectations.validator.v1_validator import Validator  # beside it can deadlock
+
+        # The validator gets the batch from the definition itself; ``get_batch(...).validate``
+        # would build the same batch twice (once for the Batch, again inside its validator).
+        validator = Validator(definition, result_format={"result_format": result_format},
+                              batch_parameters={"dataframe": frame})
         with _configurations_memoized():
-            return definition.get_batch(batch_parameters={"dataframe": frame}).validate(
-                _suite(limits), result_format={"result_format": result_format}
-            )
+            return validator.validate_expectation_suite(_suite(limits))
 
 
 # GE 1.x rebuilds ``Expectation.configuration`` (a pydantic ``.dict()``, a regex on the class name
