@@ -21,7 +21,8 @@ import pytest
 
 from verl_tasks.algos import lr_at
 from verl_tasks.config import load_config
-from verl_tasks.errors import ConfigError, DataError, PhaseFailed
+from verl_tasks.events import read_events
+from verl_tasks.errors import BatchesMissing, ConfigError, DataError
 from verl_tasks.layout import Layout
 from verl_tasks.phases.snapshot import apply_retention
 from verl_tasks.runner import make_context, run_phase, status, train
@@ -256,7 +257,9 @@ def test_a_deterministic_error_is_not_retried(tiny_config, tmp_path):
 
 def test_too_many_failed_batches_fail_validate_naming_the_setting(tiny_config, tmp_path):
     ctx, _ = _faulty(tiny_config, f"file://{tmp_path}/many", 0.75, {1, 2})
-    with pytest.raises(PhaseFailed, match=r"batches \[1, 2\] of epoch 0 are not committed .* lower "
-                                          r"fault_tolerance.min_committed_batch_fraction \(0.75\)"):
+    with pytest.raises(BatchesMissing, match=r"batches \[1, 2\] of epoch 0 are not committed .* lower "
+                                             r"fault_tolerance.min_committed_batch_fraction \(0.75\)"):
         train(ctx, 1)
     assert read_skipped(ctx.store, ctx.layout, 0) == []
+    tried = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "started" and e["unit"] == ctx.layout.validate(0)]
+    assert len(tried) == 1, "validate again cannot bring the batches back: not retried"

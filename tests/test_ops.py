@@ -190,6 +190,8 @@ def test_resume_point_is_verified_and_a_corrupt_snapshot_is_recomputed(copy, tra
     assert info["fell_back_to"] == 1 and info["quarantined"] == [ctx.layout.snapshot(2)]
     st = status(ctx.config, ctx.store)
     assert st["latest_snapshot"]["version"] == 1 and "quarantined" in st["warnings"][0]
+    shown = " ".join(invoke("status", copy["yaml"], "--store", copy["uri"]).output.split())
+    assert f"warning: {ctx.layout.snapshot(2)} was quarantined" in shown, shown
     started = util.started_count(ctx.store, ctx.layout)
     assert train(ctx, util.EPOCHS)["latest_snapshot"]["weights_sha256"] == trained["sha"]
     assert util.started_count(ctx.store, ctx.layout) - started == 1  # only the snapshot copy is redone

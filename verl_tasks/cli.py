@@ -186,6 +186,8 @@ def status(
     out.print(table)
     if result["safe_mode"]:
         out.print(f"[bold red]SAFE MODE[/]: {result['safe_mode'].get('summary')}")
+    for warning in result["warnings"]:
+        out.print(f"[yellow]warning[/]: {warning}", highlight=False)
     out.print(f"latest snapshot: {result['latest_snapshot']}")
     if result.get("best_snapshot"):
         out.print(f"best snapshot: {result['best_snapshot']}")

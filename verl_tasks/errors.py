@@ -87,6 +87,10 @@ class ValidationFailed(PhaseFailed):
     """The data-quality gate refused an epoch's scored samples."""
 
 
+class BatchesMissing(PhaseFailed):
+    """An epoch lacks more batches than ``min_committed_batch_fraction`` allows: a person reruns them or lowers it."""
+
+
 class RewardFailureRate(PhaseFailed):
     """Too many samples of a batch could not be scored."""
 

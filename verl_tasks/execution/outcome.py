@@ -7,8 +7,8 @@ A job prints one JSON object as its last stdout line; on failure::
 
 The Airflow side rebuilds the same class from :data:`REGISTRY` (the classes of
 :mod:`verl_tasks.errors`): a name read from a job's output is never imported.
-Deterministic errors (bad config or input, a failed quality gate, safe mode, a
-snapshot pruned by retention) fail the task without retries; everything else is retried.
+Deterministic errors (bad config or input, a failed quality gate, too many batches missing, safe
+mode, a snapshot pruned by retention) fail the task without retries; everything else is retried.
 """
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ import json
 from typing import Any
 
 from verl_tasks import errors
-from verl_tasks.errors import ConfigError, SafeMode, SnapshotPruned, UnsafeKey, ValidationFailed, VerlTasksError
+from verl_tasks.errors import (BatchesMissing, ConfigError, SafeMode, SnapshotPruned, UnsafeKey, ValidationFailed,
+                               VerlTasksError)
 
 # A retry of the same unit fails the same way: a person must change something first.
-DETERMINISTIC: tuple[type[VerlTasksError], ...] = (ConfigError, ValidationFailed, SafeMode, UnsafeKey, SnapshotPruned)
+DETERMINISTIC: tuple[type[VerlTasksError], ...] = (ConfigError, ValidationFailed, BatchesMissing, SafeMode, UnsafeKey,
+                                                  SnapshotPruned)
 REGISTRY: dict[str, type[VerlTasksError]] = {
     cls.__name__: cls
     for cls in vars(errors).values()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_tasks.errors import PhaseFailed, ValidationFailed
+from verl_tasks.errors import BatchesMissing, ValidationFailed
 from verl_tasks.events import record_event
 from verl_tasks.phases.common import PhaseContext, committed, require, run_unit
 from verl_tasks.quality.suites import Limits, summarize, validate_epoch
@@ -30,7 +30,8 @@ def settle_batches(ctx: PhaseContext, epoch: int) -> list[int]:
     """The epoch's batches to read; records the missing ones as skipped when the config allows it.
 
     Raises:
-        PhaseFailed: batches are missing and ``min_committed_batch_fraction`` does not allow going on.
+        BatchesMissing: batches are missing and ``min_committed_batch_fraction`` does not allow going on
+            (not retried: running validate again cannot bring them back).
     """
     batches = epoch_batches(ctx, epoch)
     missing = [b for b in batches if committed(ctx, ctx.layout.score(epoch, b)) is None
@@ -40,7 +41,7 @@ def settle_batches(ctx: PhaseContext, epoch: int) -> list[int]:
     total = ctx.config.rollout.batches_per_epoch
     ft = ctx.config.fault_tolerance
     if not ft.may_skip(total - len(batches) + len(missing), total):
-        raise PhaseFailed(
+        raise BatchesMissing(
             ctx.layout.validate(epoch),
             f"batches {missing} of epoch {epoch} are not committed (rollout or score); run or clear their tasks"
             + (f", or lower fault_tolerance.min_committed_batch_fraction ({ft.min_committed_batch_fraction}) "
