@@ -6,6 +6,7 @@ lives in the torch-free :mod:`verl_tasks.status` and is re-exported here.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -58,8 +59,7 @@ def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int 
     batched = phase_spec(phase).batched
     ft = ctx.config.fault_tolerance
     for batch in batches:
-        tries = 1
-        while True:
+        for tries in itertools.count(1):
             try:
                 run_phase(ctx, phase, epoch, batch)
             except Exception as err:  # noqa: BLE001 - the shared policy decides what a failure means
@@ -71,7 +71,6 @@ def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int 
                 if step == LEAVE_OUT:
                     break
                 time.sleep(ft.retry_delay_s)
-                tries += 1
             else:
                 yield batch
                 break

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -17,7 +16,7 @@ from typing import Iterator
 
 import requests
 
-from tests.airflow.e2e_support import free_port, wait_for
+from tests.airflow.e2e_support import free_port, stop_group, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -70,12 +69,7 @@ def serving(root: Path, env: dict[str, str]) -> Iterator[str]:
                  diagnose=lambda: (root / "api-server.log").read_text(errors="replace")[-3000:])
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_group(proc, timeout_s=20)
 
 
 def token(base: str, passwords: dict[str, str], user: str) -> str:

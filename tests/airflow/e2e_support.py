@@ -123,21 +123,9 @@ class Standalone:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout_s: float = 15) -> None:
-        """SIGTERM the process group we started (standalone and its children), then SIGKILL what is left."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not _group_alive(pgid):
-                    break
-                time.sleep(0.3)
-        self.proc.wait(timeout=5)
+        """Stop standalone and its children (its process group)."""
+        if self.proc is not None:
+            stop_group(self.proc, timeout_s)
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -165,6 +153,22 @@ class Standalone:
         """Every task log file of a run (relative path -> text)."""
         root = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
         return {str(p.relative_to(root)): p.read_text(errors="replace") for p in sorted(root.rglob("*.log"))}
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 15) -> None:
+    """SIGTERM the process group ``proc`` leads (started with ``start_new_session``), then SIGKILL what is left."""
+    pgid = proc.pid
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(pgid):
+                break
+            time.sleep(0.3)
+    proc.wait(timeout=5)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -115,5 +115,5 @@ def describe(result: dict[str, Any] | None) -> str:
     return str(error) if error else "no result line"
 
 
-__all__ = ["DETERMINISTIC", "REGISTRY", "is_deterministic", "after_failure", "RETRY", "LEAVE_OUT", "RAISE", "error_payload", "failure_result", "parse_result",
-           "error_from_result", "describe"]
+__all__ = ["DETERMINISTIC", "REGISTRY", "is_deterministic", "after_failure", "RETRY", "LEAVE_OUT", "RAISE",
+           "error_payload", "failure_result", "parse_result", "error_from_result", "describe"]
