@@ -25,3 +25,29 @@ def test_pinned_prompts_are_parsed_once_per_process_and_verified_on_every_read(t
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="prompts.jsonl"):
         train_rows(ctx)
+
+
+def test_the_update_resumes_the_optimizer_it_kept_and_ends_on_the_bytes_of_one_read_back(tiny_config):
+    """Epoch 1's update reuses the AdamW that epoch 0's committed, instead of reading it back; a run
+    whose process forgets everything after each snapshot reads it from the store: same bytes."""
+    from verl_tasks.models.policy_cache import POLICIES
+    from verl_tasks.phases import update as update_phase
+    from verl_tasks.runner import train
+    from verl_tasks.store.conventions import optimizer_state_id
+
+    def trained(experiment: str, forget: bool) -> tuple[dict, str | None, dict]:
+        ctx = make_context(tiny_config(experiment=experiment, epochs=3))
+        if forget:
+            ctx.hooks["before_commit"] = lambda phase, **_: POLICIES.clear() if phase == "snapshot" else None
+        POLICIES.clear()
+        before = dict(update_phase.OPTIMIZERS)
+        latest = train(ctx, 3)["latest_snapshot"]
+        counts = {how: update_phase.OPTIMIZERS[how] - before[how] for how in before}
+        return latest, optimizer_state_id(read_marker(ctx.store, ctx.layout.snapshot(3))), counts
+
+    kept, kept_state, kept_counts = trained("kept-optimizer", forget=False)
+    read_back, read_state, read_counts = trained("read-back-optimizer", forget=True)
+    assert kept_counts == {"fresh": 1, "warm": 2, "store": 0}, kept_counts
+    assert read_counts == {"fresh": 1, "warm": 0, "store": 2}, read_counts
+    assert kept["weights_sha256"] == read_back["weights_sha256"]
+    assert kept_state is not None and kept_state == read_state

@@ -62,6 +62,36 @@ def test_memoized_configurations_give_the_same_reports_and_leave_ge_as_it_was(mo
     assert {f["column"] for f in fast[1]["batches"]["0"]} == {"score"}
 
 
+def test_kept_dependency_graphs_give_the_same_reports_and_are_built_once_per_suite_and_format(monkeypatch):
+    from great_expectations.validator.validator import Validator
+
+    name = "_generate_metric_dependency_subgraphs_for_each_expectation_configuration"
+    build = Validator.__dict__[name]
+    builds = []
+
+    def counted(self, *args, **kwargs):
+        builds.append(self.active_batch_id)
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(Validator, name, counted)
+    limits = Limits(**{**LIMITS.__dict__, "max_prompt_tokens": 17})  # a suite no other test built graphs for
+    epochs = [{0: _rows(0), 1: _rows(1)},
+              {0: _rows(0, scores=(1.0, None, 3.0, 0.0)), 1: _rows(1, response="")},
+              {0: _rows(0), 1: _rows(1, scores=(0.0, 9.0, 0.0, 0.0))},
+              {0: _rows(0), 1: _rows(1)},
+              {0: _rows(0), 1: _rows(1), 2: _rows(2)}]
+    kept = [validate_epoch(rows, limits) for rows in epochs]
+    assert Validator.__dict__[name] is counted  # GE's method is back after each pass
+    assert len(builds) == 2, builds  # one BOOLEAN_ONLY graph, one COMPLETE graph, for 5 + 3 passes
+    monkeypatch.setattr(suites, "KEEP_DEPENDENCY_GRAPHS", False)
+    rebuilt = [validate_epoch(rows, limits) for rows in epochs]
+    assert len(builds) == 2 + 8
+    assert json.dumps(rebuilt, sort_keys=True) == json.dumps(kept, sort_keys=True)
+    assert [r["success"] for r in kept] == [True, False, False, True, False]
+    assert kept[2]["batches"]["1"][0]["partial_unexpected_list"] == [9.0]
+    assert [f["observed_value"] for f in kept[4]["epoch"]] == [12]
+
+
 def test_warm_up_in_a_background_thread_builds_the_one_context_a_validation_then_uses():
     import subprocess
     import sys

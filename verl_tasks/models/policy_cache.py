@@ -6,7 +6,9 @@ under that sha256. A unit of the same version reuses the entry; a new version
 of the same architecture loads its weights into an evicted entry in place
 (no model construction); anything else builds the model. The update takes its
 model *out* of the cache before training it, so a cached entry never holds
-weights other than its key says.
+weights other than its key says. An adopted entry may carry the optimizer whose
+state was committed beside those weights, named by that state's checksums, so the
+next update resumes from it without reading the state back.
 """
 from __future__ import annotations
 
@@ -37,6 +39,16 @@ class _Entry:
     model: torch.nn.Module
     tokenizer: Any
     architecture: str  # config.json, canonical: in-place reloads need the same one
+    optimizer: "WarmOptimizer | None" = None
+
+
+@dataclass(frozen=True)
+class WarmOptimizer:
+    """An optimizer over an entry's model, holding exactly the state committed as ``state_id``
+    (:func:`verl_tasks.store.conventions.optimizer_state_id` of the update's record)."""
+
+    state_id: str
+    optimizer: torch.optim.Optimizer
 
 
 def architecture_of(folder: Path) -> str:
@@ -52,7 +64,7 @@ class PolicyCache:
     def __init__(self, capacity: int = 2):
         self.capacity = capacity
         self._entries: OrderedDict[PolicyKey, _Entry] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # take holds it around get
         self.loads = {"built": 0, "in_place": 0}
 
     def get(self, key: PolicyKey, folder: Path) -> tuple[torch.nn.Module, Any, str | None]:
@@ -67,20 +79,22 @@ class PolicyCache:
             self.loads[how] += 1
             return entry.model, entry.tokenizer, how
 
-    def take(self, key: PolicyKey, folder: Path) -> tuple[torch.nn.Module, Any, str | None]:
-        """Like ``get`` but the caller owns the model afterwards (it will change its weights)."""
-        model, tokenizer, how = self.get(key, folder)
+    def take(self, key: PolicyKey, folder: Path) -> tuple[torch.nn.Module, Any, str | None, WarmOptimizer | None]:
+        """Like ``get`` but the caller owns the model afterwards (it will change its weights);
+        also hands over the entry's warm optimizer, if it has one."""
         with self._lock:
-            self._entries.pop(key, None)
-        return model, tokenizer, how
+            model, tokenizer, how = self.get(key, folder)
+            entry = self._entries.pop(key)
+        return model, tokenizer, how, entry.optimizer
 
-    def adopt(self, key: PolicyKey, model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
-        """Keep a model whose weights were just committed under ``key`` (the update's result)."""
+    def adopt(self, key: PolicyKey, model: torch.nn.Module, tokenizer: Any, folder: Path,
+              optimizer: WarmOptimizer | None = None) -> None:
+        """Keep a model whose weights (and ``optimizer``'s state) were just committed under ``key``."""
         model.eval()
         for param in model.parameters():
             param.grad = None
         with self._lock:
-            self._entries[key] = _Entry(model, tokenizer, architecture_of(folder))
+            self._entries[key] = _Entry(model, tokenizer, architecture_of(folder), optimizer)
             self._entries.move_to_end(key)
             self._trim(keep=self.capacity)
 
@@ -107,6 +121,7 @@ class PolicyCache:
                 # Tied weights (lm_head = embeddings) are absent from the file by design.
                 if not unexpected and all(name in _tied_names(old.model) for name in missing):
                     old.model.eval()
+                    old.optimizer = None  # its state belonged to the old weights
                     return old, "in_place"
         model, tokenizer = load_policy(folder, key.dtype)
         model.to(key.device)
@@ -128,4 +143,4 @@ def _tied_names(model: torch.nn.Module) -> set[str]:
 
 POLICIES = PolicyCache()
 
-__all__ = ["PolicyCache", "PolicyKey", "POLICIES", "architecture_of"]
+__all__ = ["PolicyCache", "PolicyKey", "POLICIES", "WarmOptimizer", "architecture_of"]

@@ -25,12 +25,12 @@ from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import WEIGHTS
 from verl_tasks.models.device import resolve_device
-from verl_tasks.models.policy_cache import POLICIES, PolicyKey
+from verl_tasks.models.policy_cache import POLICIES, PolicyKey, WarmOptimizer
 from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
-from verl_tasks.store.conventions import check_not_pruned
+from verl_tasks.store.conventions import check_not_pruned, optimizer_state_id
 from verl_tasks.store.units import CommitRecord, UnitWriter, download, quarantine, read_marker
 from verl_tasks.tracking import track_commit
 
@@ -222,23 +222,39 @@ def _policy_key(ctx: PhaseContext, record: CommitRecord) -> PolicyKey:
     return PolicyKey(record.files[WEIGHTS].sha256, ctx.config.model.dtype, str(device))
 
 
-def load_version(ctx: PhaseContext, version: int, *, owned: bool = False) -> tuple[torch.nn.Module, Any, Path]:
+def load_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any, Path]:
     """Policy ``version`` on the configured device, from this process's warm cache when it holds it.
 
-    Args:
-        owned: the caller will change the weights (the update): the model leaves the cache.
     Returns:
         (model, tokenizer, local folder of the verified snapshot).
     """
     folder, record = policy_folder(ctx, version)
     key = _policy_key(ctx, record)
-    model, tokenizer, how = (POLICIES.take if owned else POLICIES.get)(key, folder)
-    if how is not None:
-        record_event(ctx.store, ctx.layout, "policy_loaded", version=version, how=how, device=key.device,
-                     weights_sha256=key.weights_sha256)
+    model, tokenizer, how = POLICIES.get(key, folder)
+    _record_load(ctx, version, key, how)
     return model, tokenizer, folder
 
 
-def keep_policy(ctx: PhaseContext, record: CommitRecord, model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
-    """After an update committed ``record``, keep its trained model warm for the next epoch's units."""
-    POLICIES.adopt(_policy_key(ctx, record), model, tokenizer, folder)
+def take_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any, Path, WarmOptimizer | None]:
+    """Like :func:`load_version` for a caller that will change the weights (the update): the model
+    leaves the cache, with the optimizer kept beside it, if any (the caller checks its ``state_id``)."""
+    folder, record = policy_folder(ctx, version)
+    key = _policy_key(ctx, record)
+    model, tokenizer, how, optimizer = POLICIES.take(key, folder)
+    _record_load(ctx, version, key, how)
+    return model, tokenizer, folder, optimizer
+
+
+def _record_load(ctx: PhaseContext, version: int, key: PolicyKey, how: str | None) -> None:
+    if how is not None:
+        record_event(ctx.store, ctx.layout, "policy_loaded", version=version, how=how, device=key.device,
+                     weights_sha256=key.weights_sha256)
+
+
+def keep_policy(ctx: PhaseContext, record: CommitRecord, model: torch.nn.Module, tokenizer: Any, folder: Path,
+                optimizer: torch.optim.Optimizer | None = None) -> None:
+    """After an update committed ``record`` from this ``model`` (and ``optimizer``), keep both warm
+    for the next epoch's units."""
+    state_id = optimizer_state_id(record)
+    warm = WarmOptimizer(state_id, optimizer) if optimizer is not None and state_id is not None else None
+    POLICIES.adopt(_policy_key(ctx, record), model, tokenizer, folder, warm)

@@ -17,10 +17,11 @@ import torch
 
 from verl_tasks.algos import lr_at, schedule_of
 from verl_tasks.models.checkpoint import load_optimizer, save_optimizer, save_policy
-from verl_tasks.phases.common import PhaseContext, keep_policy, load_version, require, run_unit
+from verl_tasks.models.policy_cache import WarmOptimizer
+from verl_tasks.phases.common import PhaseContext, keep_policy, load_version, require, run_unit, take_version
 from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, response_logprobs, train_single
 from verl_tasks.phases.validate import epoch_batches
-from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, is_optimizer_state
+from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, optimizer_state_id
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
 from verl_tasks.train.launch import train_on_workers
 
@@ -55,29 +56,56 @@ def frozen_logprobs(
     return inputs
 
 
+# How this process's updates got their optimizer: kept from its last update, read from the store,
+# or new (a base snapshot has no state). For tests and benchmarks.
+OPTIMIZERS = {"warm": 0, "store": 0, "fresh": 0}
+
+
+def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str | None,
+                      warm: WarmOptimizer | None) -> torch.optim.Optimizer:
+    """AdamW over ``model`` holding the snapshot's optimizer state (``state_id``; None: a fresh one).
+
+    The warm optimizer kept beside the model serves when it holds exactly that state (the same
+    checksums) over this model's parameters with the configured hyperparameters; otherwise the
+    state is read from ``folder``. Either way the moments are the same bytes.
+    """
+    params = list(model.parameters())
+    if warm is not None and state_id is not None and warm.state_id == state_id:
+        groups = warm.optimizer.param_groups
+        held = [p for group in groups for p in group["params"]]
+        if (len(held) == len(params) and all(a is b for a, b in zip(held, params))
+                and all(tuple(g["betas"]) == tuple(algo.betas) and g["weight_decay"] == algo.weight_decay
+                        for g in groups)):
+            OPTIMIZERS["warm"] += 1
+            return warm.optimizer
+    optimizer = torch.optim.AdamW(params, lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
+    if state_id is not None:
+        load_optimizer(optimizer, model, folder)
+    OPTIMIZERS["store" if state_id is not None else "fresh"] += 1
+    return optimizer
+
+
 def _train_here(
     ctx: PhaseContext, epoch: int, planned: dict[str, Any], samples: list[dict[str, Any]], single_step: bool,
-    first_step: int, resume_optimizer: bool, out: Path,
+    first_step: int, state_id: str | None, out: Path,
 ) -> tuple[dict[str, float], int, dict[str, Any], dict[str, Any]]:
     """One process, no torch.distributed (one ddp worker): train, write ``out/`` (HF folder + optimizer state).
 
-    Returns (metric sums, steps, optimizer hyperparameters, the trained model to keep warm).
+    Returns (metric sums, steps, optimizer hyperparameters, the trained model and optimizer to keep warm).
     """
     cfg, algo = ctx.config, ctx.config.algorithm
-    model, tokenizer, folder = load_version(ctx, planned["policy_version"], owned=True)
+    model, tokenizer, folder, warm = take_version(ctx, planned["policy_version"])
     ref_model = load_version(ctx, 0)[0] if algo.kl_type.value != "none" else None
     inputs = epoch_inputs(samples, tokenizer.pad_token_id, algo.norm_adv_by_std)
     inputs = frozen_logprobs(inputs, model, ref_model, cfg.rollout.temperature, single_step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
-    if resume_optimizer:
-        load_optimizer(optimizer, model, folder)
+    optimizer = resumed_optimizer(model, algo, folder, state_id, warm)
     on_step = lambda step: ctx.hook("update_step", epoch=epoch, step=step)  # noqa: E731
     totals, steps = train_single(model, optimizer, inputs, algo, cfg.rollout.temperature, planned["update_seed"],
                                  on_step, first_step)
     model.eval()
     save_policy(model, tokenizer, out)
     hyper = save_optimizer(optimizer, model, out)
-    return totals, steps, hyper, {"model": model, "tokenizer": tokenizer, "folder": folder}
+    return totals, steps, hyper, {"model": model, "tokenizer": tokenizer, "folder": folder, "optimizer": optimizer}
 
 
 def _train_on_workers(
@@ -116,15 +144,15 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         first_step = read_json(ctx.store, record, TRAINER_STATE).get("step", 0) if TRAINER_STATE in record.files else 0
         single_step = algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples)
         # Only state this snapshot lists: a cached folder keyed by the weights may hold another's (a child's base).
-        resume = any(is_optimizer_state(name) for name in record.files)
+        state_id = optimizer_state_id(record)
         if res.distributed:
-            totals, steps, hyper = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step, resume,
-                                                     writer)
+            totals, steps, hyper = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step,
+                                                     state_id is not None, writer)
         else:
             with writer.folder() as out:  # written in place: the weights are written once per epoch
-                totals, steps, hyper, kept = _train_here(ctx, epoch, planned, samples, single_step, first_step, resume,
-                                                         out)
-            trained.update(kept)
+                totals, steps, hyper, kept = _train_here(ctx, epoch, planned, samples, single_step, first_step,
+                                                         state_id, out)
+            trained.update(kept, attempt=writer.attempt)
         lrs = [lr_at(step, **schedule_of(algo)) for step in range(first_step, first_step + steps)]
         metrics = {**_epoch_metrics(totals, steps, samples), "actor/lr": lrs[-1]}
         writer.write_json("metrics.json", metrics)
@@ -136,8 +164,11 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
                 "update_strategy": res.strategy.value}
 
     committed_record = run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
-    if trained:  # the trained model is policy epoch + 1: the next epoch's units need not load it
-        keep_policy(ctx, committed_record, trained["model"], trained["tokenizer"], trained["folder"])
+    # The trained model is policy epoch + 1: the next epoch's units need not load it. Not when another
+    # attempt's commit won the race: the record's checksums are of its bytes, not necessarily this model's.
+    if trained and committed_record.attempt == trained["attempt"]:
+        keep_policy(ctx, committed_record, trained["model"], trained["tokenizer"], trained["folder"],
+                    trained["optimizer"])
     return committed_record
 
 

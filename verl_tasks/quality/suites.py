@@ -160,7 +160,7 @@ def _run(frame, limits: Limits, result_format: str):
         # would build the same batch twice (once for the Batch, again inside its validator).
         validator = Validator(definition, result_format={"result_format": result_format},
                               batch_parameters={"dataframe": frame})
-        with _configurations_memoized():
+        with _configurations_memoized(), _dependency_graphs_kept((limits, result_format)):
             return validator.validate_expectation_suite(_suite(limits))
 
 
@@ -192,6 +192,43 @@ def _configurations_memoized() -> Iterator[None]:
         yield
     finally:
         expectation.configuration = plain
+
+
+# GE builds each expectation's metric dependency graph anew in every pass (about half of a pass).
+# The graph depends on the suite, the batch id (one whole-dataframe asset: always the same) and the
+# result format, never on the rows, so a pass with the same three reuses the first one's graphs and
+# only the metric values are computed again. False: GE builds them every pass (same results, slower).
+KEEP_DEPENDENCY_GRAPHS = True
+
+
+@contextlib.contextmanager
+def _dependency_graphs_kept(key: Any) -> Iterator[None]:
+    from great_expectations.validator.validator import Validator as PassValidator
+
+    name = "_generate_metric_dependency_subgraphs_for_each_expectation_configuration"
+    build = PassValidator.__dict__.get(name)
+    if not KEEP_DEPENDENCY_GRAPHS or build is None:
+        yield  # another GE version: its own method, untouched
+        return
+
+    def kept(self, expectation_configurations, processed_configurations, catch_exceptions,
+             runtime_configuration=None):
+        slot = ("graphs", key, self.active_batch_id)
+        if slot not in _CACHE:
+            graphs, results, processed = build(self, expectation_configurations, processed_configurations,
+                                               catch_exceptions, runtime_configuration)
+            if results:  # an expectation failed to build its graph: report it, keep nothing
+                return graphs, results, processed
+            _CACHE[slot] = (graphs, list(processed))
+        graphs, processed = _CACHE[slot]
+        # GE removes rejected configurations from this list: each pass gets its own.
+        return list(graphs), [], list(processed)
+
+    setattr(PassValidator, name, kept)
+    try:
+        yield
+    finally:
+        setattr(PassValidator, name, build)
 
 
 def summarize(report: dict[str, Any]) -> str:

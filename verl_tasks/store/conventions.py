@@ -36,6 +36,15 @@ def is_optimizer_state(name: str) -> bool:
     return name.startswith("optimizer.")
 
 
+def optimizer_state_id(record: CommitRecord) -> str | None:
+    """The checksums of a unit's optimizer state files, as one string; None when it has none.
+
+    An update and the snapshot that publishes it list the same bytes, so both give the same id.
+    """
+    names = sorted(name for name in record.files if is_optimizer_state(name))
+    return " ".join(f"{name}:{record.files[name].sha256}" for name in names) or None
+
+
 def read_latest(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
     """The ``latest.json`` pointer (``version``, ``unit``, ``attempt``, ``weights_sha256``, ``uri``), or None."""
     try:
