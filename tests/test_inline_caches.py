@@ -51,3 +51,28 @@ def test_the_update_resumes_the_optimizer_it_kept_and_ends_on_the_bytes_of_one_r
     assert read_counts == {"fresh": 1, "warm": 0, "store": 2}, read_counts
     assert kept["weights_sha256"] == read_back["weights_sha256"]
     assert kept_state is not None and kept_state == read_state
+
+
+def test_parsed_json_lines_are_kept_within_a_byte_budget_and_every_read_is_verified(tmp_path, monkeypatch):
+    from verl_tasks.store import LocalStore
+    from verl_tasks.store import units
+
+    store = LocalStore(tmp_path)
+    records = []
+    for i in range(3):
+        writer = units.UnitWriter(store, f"exp/unit{i}")
+        writer.write_jsonl("rows.jsonl", [{"unit": i, "row": r, "pad": "x" * 40} for r in range(10)])
+        records.append(writer.commit({})[0])
+    size = records[0].files["rows.jsonl"].size
+    monkeypatch.setattr(units, "PARSED_BYTES", 2 * size)  # room for two of the three files
+    monkeypatch.setattr(units, "_PARSED", {})
+    first = [units.read_jsonl(store, r, "rows.jsonl") for r in records]
+    assert [rows[3] for rows in first] == [{"unit": i, "row": 3, "pad": "x" * 40} for i in range(3)]
+    again = [units.read_jsonl(store, r, "rows.jsonl") for r in reversed(records)][::-1]
+    assert again[2][0] is first[2][0] and again[2] is not first[2]  # kept: the same rows in a new list
+    assert again[1][0] is first[1][0]
+    assert again[0][0] is not first[0][0] and again[0] == first[0]  # pushed out by the third, parsed again
+    path = store.root / records[2].key("rows.jsonl")
+    path.write_bytes(path.read_bytes().replace(b'"row": 3', b'"row": 4'))
+    with pytest.raises(IntegrityError, match="rows.jsonl"):
+        units.read_jsonl(store, records[2], "rows.jsonl")

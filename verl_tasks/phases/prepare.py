@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from verl_tasks.errors import DataError, PhaseFailed
 from verl_tasks.models.checkpoint import save_policy
 from verl_tasks.phases.common import CACHE_DIR, PhaseContext, committed, run_unit, set_determinism
 from verl_tasks.pinning import pin_experiment
-from verl_tasks.store.units import CommitRecord, UnitWriter, is_committed, read_bytes
+from verl_tasks.store.units import CommitRecord, UnitWriter, is_committed, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -142,22 +141,7 @@ def _pinned_rows(ctx: PhaseContext, split: str) -> list[dict[str, Any]]:
             unit, f"the pinned {split} prompts are not committed (never pinned, or quarantined: see "
                   f"`verl-tasks status`); run the epoch-0 plan task (or `verl-tasks run`) to pin data.{split} again",
         )
-    data = read_bytes(ctx.store, record, "prompts.jsonl")  # verified against the marker on every read
-    key = record.files["prompts.jsonl"].sha256
-    with _ROWS_LOCK:
-        rows = _ROWS.pop(key, None)
-        if rows is None:  # parsing is the cost (thousands of JSON lines); the bytes decide the rows
-            rows = [json.loads(line) for line in data.decode().splitlines() if line]
-        _ROWS[key] = rows
-        while len(_ROWS) > 4:
-            _ROWS.pop(next(iter(_ROWS)))
-    return list(rows)
-
-
-# Parsed pinned prompts by the file's sha256 (train and eval of a couple of experiments); callers must
-# not change the row dicts they get.
-_ROWS: dict[str, list[dict[str, Any]]] = {}
-_ROWS_LOCK = threading.Lock()
+    return read_jsonl(ctx.store, record, "prompts.jsonl")  # verified on every read, parsed once per process
 
 
 def train_rows(ctx: PhaseContext) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -257,7 +258,28 @@ def read_json(store: ObjectStore, record: CommitRecord, name: str) -> Any:
 
 
 def read_jsonl(store: ObjectStore, record: CommitRecord, name: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in read_bytes(store, record, name).decode().splitlines() if line]
+    """The rows of a JSON-lines file of a committed unit: a new list of row dicts that callers must not change.
+
+    The bytes are read and verified on every call; their parse is kept per sha256 (a rollout's samples
+    are read by score, validate and update, pinned prompts by every unit), for files up to
+    ``PARSED_BYTES`` in all, least recently used first out.
+    """
+    data = read_bytes(store, record, name)
+    key = record.files[name].sha256
+    with _PARSED_LOCK:
+        entry = _PARSED.pop(key, None)
+        if entry is None:
+            entry = (len(data), json.loads(b"[" + b",".join(line for line in data.splitlines() if line.strip()) + b"]"))
+        if entry[0] <= PARSED_BYTES:
+            _PARSED[key] = entry
+            while sum(size for size, _ in _PARSED.values()) > PARSED_BYTES:
+                _PARSED.pop(next(iter(_PARSED)))
+    return list(entry[1])
+
+
+PARSED_BYTES = 32 << 20
+_PARSED: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+_PARSED_LOCK = threading.Lock()
 
 
 def download(store: ObjectStore, record: CommitRecord, name: str, path: Path) -> Path:
