@@ -70,14 +70,11 @@ def generate_hf(
     The HF engine is the (warm, cached) policy module itself: no engine to build, no options."""
     del policy_dir, options, on_engine
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    rows = [ids for ids in prompts for _ in range(spec.n)]
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, ids in enumerate(rows):
-        input_ids[i, width - len(ids) :] = torch.tensor(ids)
-        mask[i, width - len(ids) :] = 1
-    input_ids, mask = input_ids.to(model.device), mask.to(model.device)
+    width = max(len(ids) for ids in prompts)
+    padded = [[pad] * (width - len(ids)) + ids for ids in prompts]  # left-padded, one row per prompt
+    masks = [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts]
+    input_ids = torch.tensor(padded, dtype=torch.long).repeat_interleave(spec.n, dim=0).to(model.device)
+    mask = torch.tensor(masks, dtype=torch.long).repeat_interleave(spec.n, dim=0).to(model.device)
     torch.manual_seed(spec.seed)  # seeds the CPU and every CUDA device
     kwargs: dict[str, Any] = dict(max_new_tokens=spec.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
     if spec.greedy:

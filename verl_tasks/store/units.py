@@ -146,7 +146,8 @@ class UnitWriter:
         self.write_bytes(name, json.dumps(obj, sort_keys=True, indent=1).encode())
 
     def write_jsonl(self, name: str, rows: list[dict[str, Any]]) -> None:
-        self.write_bytes(name, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+        encode = json.JSONEncoder(sort_keys=True).encode  # json.dumps with options builds one per call
+        self.write_bytes(name, "".join(encode(r) + "\n" for r in rows).encode())
 
     def write_file(self, name: str, path: Path) -> None:
         path = Path(path)
