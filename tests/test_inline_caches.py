@@ -76,3 +76,82 @@ def test_parsed_json_lines_are_kept_within_a_byte_budget_and_every_read_is_verif
     path.write_bytes(path.read_bytes().replace(b'"row": 3', b'"row": 4'))
     with pytest.raises(IntegrityError, match="rows.jsonl"):
         units.read_jsonl(store, records[2], "rows.jsonl")
+
+
+def test_a_kept_optimizer_serves_only_its_own_state_over_its_own_model(tiny_config, tmp_path):
+    import torch
+
+    from verl_tasks.models.checkpoint import save_optimizer
+    from verl_tasks.models.policy_cache import WarmOptimizer
+    from verl_tasks.phases.update import OPTIMIZERS, resumed_optimizer
+
+    algo = tiny_config().algorithm
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    kept = torch.optim.AdamW(model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
+    model(torch.ones(1, 3)).sum().backward()
+    kept.step()
+    save_optimizer(kept, model, tmp_path)
+    warm = WarmOptimizer("state-a", kept)
+    before = dict(OPTIMIZERS)
+
+    assert resumed_optimizer(model, algo, tmp_path, "state-a", warm) is kept
+    other_state = resumed_optimizer(model, algo, tmp_path, "state-b", warm)  # the snapshot lists other bytes
+    twin = torch.nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    other_model = resumed_optimizer(twin, algo, tmp_path, "state-a", warm)  # kept over another module's params
+    fresh = resumed_optimizer(model, algo, tmp_path, None, warm)  # a base snapshot: no state
+    assert {how: OPTIMIZERS[how] - before[how] for how in before} == {"warm": 1, "store": 2, "fresh": 1}
+    assert kept not in (other_state, other_model, fresh) and not fresh.state
+    assert [p for g in other_model.param_groups for p in g["params"]] == list(twin.parameters())
+    for loaded, params in ((other_state, model.parameters()), (other_model, twin.parameters())):
+        for mine, theirs in zip(params, model.parameters()):
+            assert torch.equal(loaded.state[mine]["exp_avg"], kept.state[theirs]["exp_avg"])
+
+
+def test_an_update_that_loses_its_commit_race_keeps_nothing_warm(tiny_config):
+    """The winner's record names the winner's bytes: the loser's model is not kept under them."""
+    from verl_tasks.events import read_events
+    from verl_tasks.models.policy_cache import POLICIES
+    from verl_tasks.runner import train
+    from verl_tasks.store.units import UnitWriter
+
+    ctx = make_context(tiny_config(experiment="lost-race", epochs=2))
+
+    def rival_commits_first(phase, unit, epoch, **_):
+        if phase != "update" or epoch != 0:
+            return
+        [mine] = (ctx.store.root / unit / ".attempts").iterdir()
+        rival = UnitWriter(ctx.store, unit)
+        for path in sorted(mine.iterdir()):
+            rival.write_bytes(path.name, path.read_bytes())
+        assert rival.commit({"policy_version": 1, "update_workers": 1, "update_strategy": "ddp"})[1]
+
+    ctx.hooks["before_commit"] = rival_commits_first
+    POLICIES.clear()
+    train(ctx, 2)
+    events = read_events(ctx.store, ctx.layout)
+    [lost] = [e for e in events if e["kind"] == "lost_race"]
+    assert lost["unit"] == ctx.layout.update(0) and lost["winner"] != lost["attempt"]
+    loads = [(e["version"], e["how"]) for e in events if e["kind"] == "policy_loaded"]
+    assert (1, "built") in loads or (1, "in_place") in loads, loads  # version 1 was loaded, not adopted
+    assert not any(version == 2 for version, _ in loads), loads  # epoch 1's own update was adopted
+
+
+@pytest.mark.parametrize("kl_type,kl_coef", [("none", 0.0), ("low_var_kl", 0.01)])
+def test_one_process_loads_each_policy_version_once(tiny_config, kl_type, kl_coef):
+    """The update trains a copy of the base, which its evaluation (and the KL reference) read again;
+    every later version is the update's own trained model, kept."""
+    from verl_tasks.events import read_events
+    from verl_tasks.models.policy_cache import POLICIES
+    from verl_tasks.runner import train
+
+    ctx = make_context(tiny_config(experiment=f"loads-{kl_type}", epochs=3, **{"algorithm.kl_type": kl_type,
+                                                                             "algorithm.kl_coef": kl_coef,
+                                                                             "evaluate.every": 1}))
+    POLICIES.clear()
+    train(ctx, 3)
+    events = read_events(ctx.store, ctx.layout)
+    loads = [e["version"] for e in events if e["kind"] == "policy_loaded"]
+    copies = [e["version"] for e in events if e["kind"] == "policy_copied"]
+    assert loads == [0] and copies == [0], (loads, copies)

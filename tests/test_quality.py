@@ -62,6 +62,25 @@ def test_memoized_configurations_give_the_same_reports_and_leave_ge_as_it_was(mo
     assert {f["column"] for f in fast[1]["batches"]["0"]} == {"score"}
 
 
+def _failing_epochs() -> dict[str, dict[int, list[dict]]]:
+    """An epoch (2 batches of 4 rows under LIMITS) failing each expectation of the suite, and a good one."""
+    def edited(batch: int, index: int, **change) -> list[dict]:
+        rows = _rows(batch)
+        rows[index] = {**rows[index], **change}
+        return rows
+
+    return {
+        "good": {0: _rows(0), 1: _rows(1)},
+        "expect_table_row_count_to_equal": {0: _rows(0), 1: _rows(1), 2: _rows(2)},
+        "batch_rows": {0: _rows(0)[:3], 1: _rows(1) + [{**_rows(1)[0], "sample_id": "e0-b1-s4"}]},
+        "sample_id": {0: _rows(0), 1: edited(1, 2, sample_id="e0-b0-s1")},
+        "batch_nonempty_fraction": {0: _rows(0), 1: _rows(1, response="")},
+        "prompt_tokens": {0: edited(0, 1, prompt_tokens=0), 1: _rows(1)},
+        "response_tokens": {0: _rows(0), 1: edited(1, 3, response_tokens=9)},
+        "score": {0: _rows(0, scores=(1.0, None, 0.0, 9.0)), 1: _rows(1)},
+    }
+
+
 def test_kept_dependency_graphs_give_the_same_reports_and_are_built_once_per_suite_and_format(monkeypatch):
     from great_expectations.validator.validator import Validator
 
@@ -74,22 +93,42 @@ def test_kept_dependency_graphs_give_the_same_reports_and_are_built_once_per_sui
         return build(self, *args, **kwargs)
 
     monkeypatch.setattr(Validator, name, counted)
-    limits = Limits(**{**LIMITS.__dict__, "max_prompt_tokens": 17})  # a suite no other test built graphs for
-    epochs = [{0: _rows(0), 1: _rows(1)},
-              {0: _rows(0, scores=(1.0, None, 3.0, 0.0)), 1: _rows(1, response="")},
-              {0: _rows(0), 1: _rows(1, scores=(0.0, 9.0, 0.0, 0.0))},
-              {0: _rows(0), 1: _rows(1)},
-              {0: _rows(0), 1: _rows(1), 2: _rows(2)}]
-    kept = [validate_epoch(rows, limits) for rows in epochs]
+    # Graphs other tests kept are not this test's: it starts with none.
+    monkeypatch.setattr(suites, "_CACHE", {k: v for k, v in suites._CACHE.items() if k[0] != "graphs"})
+    epochs = _failing_epochs()
+    kept = {case: validate_epoch(rows, LIMITS) for case, rows in epochs.items()}
     assert Validator.__dict__[name] is counted  # GE's method is back after each pass
-    assert len(builds) == 2, builds  # one BOOLEAN_ONLY graph, one COMPLETE graph, for 5 + 3 passes
+    assert len(builds) == 2, builds  # one BOOLEAN_ONLY graph, one COMPLETE graph, for 8 + 7 passes
     monkeypatch.setattr(suites, "KEEP_DEPENDENCY_GRAPHS", False)
-    rebuilt = [validate_epoch(rows, limits) for rows in epochs]
-    assert len(builds) == 2 + 8
-    assert json.dumps(rebuilt, sort_keys=True) == json.dumps(kept, sort_keys=True)
-    assert [r["success"] for r in kept] == [True, False, False, True, False]
-    assert kept[2]["batches"]["1"][0]["partial_unexpected_list"] == [9.0]
-    assert [f["observed_value"] for f in kept[4]["epoch"]] == [12]
+    rebuilt = {case: validate_epoch(rows, LIMITS) for case, rows in epochs.items()}
+    assert len(builds) == 2 + 15
+    assert json.dumps(rebuilt, sort_keys=True) == json.dumps(kept, sort_keys=True)  # NaN != NaN in ==
+    assert kept.pop("good")["success"]
+    for case, report in kept.items():  # each epoch fails where it was made to, and only there
+        failed = {f["expectation"] for f in report["epoch"]} | {
+            f["column"] for failures in report["batches"].values() for f in failures}
+        assert not report["success"] and case in failed and failed <= {case, "expect_table_row_count_to_equal"}, \
+            (case, report)
+    assert kept["score"]["batches"]["0"][1]["partial_unexpected_list"] == [9.0]
+
+
+def test_ge_is_left_as_it_was_when_a_pass_raises(monkeypatch):
+    import great_expectations as gx
+    import pytest
+    from great_expectations.validator.validator import Validator
+
+    name = "_generate_metric_dependency_subgraphs_for_each_expectation_configuration"
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("graph building failed")
+
+    monkeypatch.setattr(Validator, name, broken)
+    monkeypatch.setattr(suites, "_CACHE", {k: v for k, v in suites._CACHE.items() if k[0] != "graphs"})
+    configuration = gx.expectations.Expectation.__dict__["configuration"]
+    with pytest.raises(RuntimeError, match="graph building failed"):
+        validate_epoch({0: _rows(0), 1: _rows(1)}, LIMITS)
+    assert Validator.__dict__[name] is broken
+    assert gx.expectations.Expectation.__dict__["configuration"] is configuration
 
 
 def test_warm_up_in_a_background_thread_builds_the_one_context_a_validation_then_uses():

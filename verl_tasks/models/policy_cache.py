@@ -12,6 +12,7 @@ next update resumes from it without reading the state back.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -79,11 +80,18 @@ class PolicyCache:
             self.loads[how] += 1
             return entry.model, entry.tokenizer, how
 
-    def take(self, key: PolicyKey, folder: Path) -> tuple[torch.nn.Module, Any, str | None, WarmOptimizer | None]:
+    def take(self, key: PolicyKey, folder: Path, keep: bool = False
+             ) -> tuple[torch.nn.Module, Any, str | None, WarmOptimizer | None]:
         """Like ``get`` but the caller owns the model afterwards (it will change its weights);
-        also hands over the entry's warm optimizer, if it has one."""
+        also hands over the entry's warm optimizer, if it has one.
+
+        ``keep``: this process will read the version again (the base: its evaluation, the KL
+        reference), so the entry stays and the caller gets a copy made in memory, not a second load.
+        """
         with self._lock:
             model, tokenizer, how = self.get(key, folder)
+            if keep:
+                return copy.deepcopy(model), tokenizer, how, None
             entry = self._entries.pop(key)
         return model, tokenizer, how, entry.optimizer
 

@@ -235,13 +235,18 @@ def load_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any,
     return model, tokenizer, folder
 
 
-def take_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any, Path, WarmOptimizer | None]:
+def take_version(ctx: PhaseContext, version: int, *, keep: bool = False
+                 ) -> tuple[torch.nn.Module, Any, Path, WarmOptimizer | None]:
     """Like :func:`load_version` for a caller that will change the weights (the update): the model
-    leaves the cache, with the optimizer kept beside it, if any (the caller checks its ``state_id``)."""
+    leaves the cache, with the optimizer kept beside it, if any (the caller checks its ``state_id``).
+    ``keep``: the version stays cached for later readers and the caller trains a copy of it."""
     folder, record = policy_folder(ctx, version)
     key = _policy_key(ctx, record)
-    model, tokenizer, how, optimizer = POLICIES.take(key, folder)
+    model, tokenizer, how, optimizer = POLICIES.take(key, folder, keep=keep)
     _record_load(ctx, version, key, how)
+    if keep:
+        record_event(ctx.store, ctx.layout, "policy_copied", version=version, device=key.device,
+                     weights_sha256=key.weights_sha256)
     return model, tokenizer, folder, optimizer
 
 

@@ -18,7 +18,8 @@ import torch
 from verl_tasks.algos import lr_at, schedule_of
 from verl_tasks.models.checkpoint import load_optimizer, save_optimizer, save_policy
 from verl_tasks.models.policy_cache import WarmOptimizer
-from verl_tasks.phases.common import PhaseContext, keep_policy, load_version, require, run_unit, take_version
+from verl_tasks.phases.common import (PhaseContext, committed, keep_policy, load_version, require, run_unit,
+                                     take_version)
 from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, response_logprobs, train_single
 from verl_tasks.phases.validate import epoch_batches
 from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, optimizer_state_id
@@ -94,8 +95,11 @@ def _train_here(
     Returns (metric sums, steps, optimizer hyperparameters, the trained model and optimizer to keep warm).
     """
     cfg, algo = ctx.config, ctx.config.algorithm
-    model, tokenizer, folder, warm = take_version(ctx, planned["policy_version"])
-    ref_model = load_version(ctx, 0)[0] if algo.kl_type.value != "none" else None
+    version, with_kl = planned["policy_version"], algo.kl_type.value != "none"
+    # The base is read again after this update (the KL reference, its evaluation): train a copy of it.
+    base_again = version == 0 and (with_kl or committed(ctx, ctx.layout.base_evaluate) is None)
+    model, tokenizer, folder, warm = take_version(ctx, version, keep=base_again)
+    ref_model = load_version(ctx, 0)[0] if with_kl else None
     inputs = epoch_inputs(samples, tokenizer.pad_token_id, algo.norm_adv_by_std)
     inputs = frozen_logprobs(inputs, model, ref_model, cfg.rollout.temperature, single_step)
     optimizer = resumed_optimizer(model, algo, folder, state_id, warm)

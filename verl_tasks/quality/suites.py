@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -160,25 +160,37 @@ def _run(frame, limits: Limits, result_format: str):
         # would build the same batch twice (once for the Batch, again inside its validator).
         validator = Validator(definition, result_format={"result_format": result_format},
                               batch_parameters={"dataframe": frame})
-        with _configurations_memoized(), _dependency_graphs_kept((limits, result_format)):
+        with _pass_shortcuts(limits, result_format):
             return validator.validate_expectation_suite(_suite(limits))
+
+
+@contextlib.contextmanager
+def _swapped(owner: type, name: str, replacement: Callable[[Any], Any] | None) -> Iterator[None]:
+    """``owner.name`` replaced for one pass (under ``_LOCK``) by ``replacement(original)``; GE's own
+    attribute is back when the pass ends, however it ends. None, or an attribute this GE version
+    lacks: untouched."""
+    original = owner.__dict__.get(name)
+    if replacement is None or original is None:
+        yield
+        return
+    setattr(owner, name, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 # GE 1.x rebuilds ``Expectation.configuration`` (a pydantic ``.dict()``, a regex on the class name
 # and a new ExpectationConfiguration) about 20 times per expectation and pass: 40% of the pass.
 # Nothing changes an expectation object while a pass runs (GE builds its own from the suite's
-# configurations), so during one pass, under ``_LOCK``, each object's is computed once; the plain
-# property is back when the pass ends. False: GE's own property throughout (same results, slower).
+# configurations), so during one pass each object's is computed once. False: GE's own property
+# throughout (same results, slower).
 MEMOIZE_CONFIGURATIONS = True
 
 
-@contextlib.contextmanager
-def _configurations_memoized() -> Iterator[None]:
-    expectation = _gx().expectations.Expectation
-    plain = expectation.__dict__.get("configuration")
-    if not MEMOIZE_CONFIGURATIONS or not isinstance(plain, property):
-        yield  # another GE version: its own property, untouched
-        return
+def _memoized_configuration(plain: Any) -> Any:
+    if not isinstance(plain, property):
+        return plain  # another GE version: its own attribute
     memo: dict[int, tuple[Any, Any]] = {}
 
     def configuration(self):
@@ -187,11 +199,7 @@ def _configurations_memoized() -> Iterator[None]:
             entry = memo[id(self)] = (self, plain.fget(self))
         return entry[1]
 
-    expectation.configuration = property(configuration, doc=plain.__doc__)
-    try:
-        yield
-    finally:
-        expectation.configuration = plain
+    return property(configuration, doc=plain.__doc__)
 
 
 # GE builds each expectation's metric dependency graph anew in every pass (about half of a pass).
@@ -199,36 +207,39 @@ def _configurations_memoized() -> Iterator[None]:
 # result format, never on the rows, so a pass with the same three reuses the first one's graphs and
 # only the metric values are computed again. False: GE builds them every pass (same results, slower).
 KEEP_DEPENDENCY_GRAPHS = True
+_BUILD_GRAPHS = "_generate_metric_dependency_subgraphs_for_each_expectation_configuration"
+
+
+def _graphs_kept_for(key: Any) -> Callable[[Any], Any]:
+    def wrap(build: Any) -> Any:
+        def kept(self, expectation_configurations, processed_configurations, catch_exceptions,
+                 runtime_configuration=None):
+            slot = ("graphs", key, len(expectation_configurations), self.active_batch_id)
+            if slot not in _CACHE:
+                graphs, results, processed = build(self, expectation_configurations, processed_configurations,
+                                                   catch_exceptions, runtime_configuration)
+                if results:  # an expectation failed to build its graph: report it, keep nothing
+                    return graphs, results, processed
+                _CACHE[slot] = (graphs, list(processed))
+            graphs, processed = _CACHE[slot]
+            # GE removes rejected configurations from this list: each pass gets its own.
+            return list(graphs), [], list(processed)
+
+        return kept
+
+    return wrap
 
 
 @contextlib.contextmanager
-def _dependency_graphs_kept(key: Any) -> Iterator[None]:
+def _pass_shortcuts(limits: Limits, result_format: str) -> Iterator[None]:
+    """This module's two shortcuts through GE's internals, each for one pass only."""
     from great_expectations.validator.validator import Validator as PassValidator
 
-    name = "_generate_metric_dependency_subgraphs_for_each_expectation_configuration"
-    build = PassValidator.__dict__.get(name)
-    if not KEEP_DEPENDENCY_GRAPHS or build is None:
-        yield  # another GE version: its own method, untouched
-        return
-
-    def kept(self, expectation_configurations, processed_configurations, catch_exceptions,
-             runtime_configuration=None):
-        slot = ("graphs", key, self.active_batch_id)
-        if slot not in _CACHE:
-            graphs, results, processed = build(self, expectation_configurations, processed_configurations,
-                                               catch_exceptions, runtime_configuration)
-            if results:  # an expectation failed to build its graph: report it, keep nothing
-                return graphs, results, processed
-            _CACHE[slot] = (graphs, list(processed))
-        graphs, processed = _CACHE[slot]
-        # GE removes rejected configurations from this list: each pass gets its own.
-        return list(graphs), [], list(processed)
-
-    setattr(PassValidator, name, kept)
-    try:
+    expectation = _gx().expectations.Expectation
+    with _swapped(expectation, "configuration", _memoized_configuration if MEMOIZE_CONFIGURATIONS else None), \
+            _swapped(PassValidator, _BUILD_GRAPHS,
+                     _graphs_kept_for((limits, result_format)) if KEEP_DEPENDENCY_GRAPHS else None):
         yield
-    finally:
-        setattr(PassValidator, name, build)
 
 
 def summarize(report: dict[str, Any]) -> str:
