@@ -68,7 +68,9 @@ def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str 
 
     The warm optimizer kept beside the model serves when it holds exactly that state (the same
     checksums) over this model's parameters with the configured hyperparameters; otherwise the
-    state is read from ``folder``. Either way the moments are the same bytes.
+    state is read from ``folder``. Either way the moments are the same bytes. (On a GPU a kept AdamW
+    holds its ``step`` count on the CPU and a loaded one on the parameter's device; AdamW, not
+    capturable, reads it as a number either way. Byte equality is tested on the CPU only.)
     """
     params = list(model.parameters())
     if warm is not None and state_id is not None and warm.state_id == state_id:
