@@ -5,8 +5,8 @@ snapshot folder, or adopted from an update whose weights were just committed
 under that sha256. A unit of the same version reuses the entry; a new version
 of the same architecture loads its weights into an evicted entry in place
 (no model construction); anything else builds the model. The update takes its
-model *out* of the cache before training it, so a cached entry never holds
-weights other than its key says. An adopted entry may carry the optimizer whose
+model *out* of the cache before training it (or trains a copy, when this process
+reads that version again), so a cached entry never holds weights other than its key says. An adopted entry may carry the optimizer whose
 state was committed beside those weights, named by that state's checksums, so the
 next update resumes from it without reading the state back.
 """

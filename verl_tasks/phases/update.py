@@ -58,7 +58,7 @@ def frozen_logprobs(
 
 
 # How this process's updates got their optimizer: kept from its last update, read from the store,
-# or new (a base snapshot has no state). For tests and benchmarks.
+# or new (a base snapshot has no state). Read by the tests.
 OPTIMIZERS = {"warm": 0, "store": 0, "fresh": 0}
 
 
