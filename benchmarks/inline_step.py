@@ -121,11 +121,13 @@ class InlineEpochs:
         self.epoch = 0
 
     def step(self) -> None:
-        from verl_tasks.runner import epoch_units, run_phase
+        """One epoch through the runner ``verl-tasks run`` uses (``run_in_process``)."""
+        from verl_tasks.runner import epoch_phases, run_in_process
 
-        for phase, batch in epoch_units(self.ctx, self.epoch, self.ctx.config.epochs):
+        for phase, batches in epoch_phases(self.ctx, self.epoch, self.ctx.config.epochs):
             if phase != "evaluate":
-                run_phase(self.ctx, phase, self.epoch, batch)
+                for _ in run_in_process(self.ctx, phase, self.epoch, batches):
+                    pass
         self.epoch += 1
 
 

@@ -101,6 +101,8 @@ def test_two_rollout_batches_run_at_once_on_their_own_gpus(gpu_head, tiny_config
     assert len({r["placement"]["pid"] for r in results}) == 2
     log = "\n".join(line for r in results for line in r["log"])
     assert "model.device=auto: no CUDA device usable here" in log and "computing on the CPU" in log
+    # Each worker froze its warm heap (torch, the policy) after its unit: its full GCs skip it.
+    assert all(r["frozen_objects"] > 10_000 for r in results), [r["frozen_objects"] for r in results]
 
 
 def test_a_unit_asking_for_both_gpus_waits_until_they_are_free(gpu_head, tiny_config, tmp_path):

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from verl_tasks.config import ExperimentConfig
+from verl_tasks.execution.heap import freeze_after_imports
 from verl_tasks.execution.outcome import LEAVE_OUT, RAISE, after_failure
 from verl_tasks.phase_registry import PHASES, phase as phase_spec
 from verl_tasks.phases import PhaseContext
@@ -72,6 +73,7 @@ def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int 
                     break
                 time.sleep(ft.retry_delay_s)
             else:
+                freeze_after_imports()  # this process runs the units to come: keep its warm heap out of full GCs
                 yield batch
                 break
 

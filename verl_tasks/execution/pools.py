@@ -28,6 +28,7 @@ restarted, so a hung unit frees its slot.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ import ray
 
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution import UnitSpec
+from verl_tasks.execution.heap import freeze_after_imports
 from verl_tasks.execution.pool_shape import (GATE_KIND, NAMESPACE, PREFIX, PoolShape, code_fingerprint,
                                              experiment_shapes, pool_kind)
 
@@ -114,15 +116,17 @@ class PoolWorker:
             result = failure_result(err, label)
         finally:
             root.removeHandler(capture)
+            freeze_after_imports()  # the worker outlives this unit: its warm heap stays out of full GCs
             self._busy = None
             self._last_used = time.monotonic()
-        return {**result, "log": capture.lines, "placement": placement,
+        return {**result, "log": capture.lines, "placement": placement, "frozen_objects": gc.get_freeze_count(),
                 "started_at": started, "finished_at": time.time()}
 
     @ray.method(concurrency_group="control")
     def state(self) -> dict[str, Any]:
         return {"busy": self._busy, "idle_s": time.monotonic() - self._last_used, "kind": self.kind,
-                "fingerprint": self.fingerprint, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+                "fingerprint": self.fingerprint, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
+                "frozen_objects": gc.get_freeze_count()}
 
     @ray.method(concurrency_group="control")
     def retire(self) -> None:
