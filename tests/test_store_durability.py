@@ -51,3 +51,27 @@ def test_a_discarded_attempt_does_not_break_the_next_commit(tmp_path):
     writer = UnitWriter(store, "exp/epochs/00000/plan")
     writer.write_json("plan.json", {})
     assert writer.commit({})[1]
+
+
+def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp_path, monkeypatch):
+    """A Ray Train worker writes its files into the attempt; the driver, another process, writes the
+    marker. The worker cannot leave its folders' fsyncs for a marker it never writes."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from verl_tasks.models.tiny import build_tokenizer
+    from verl_tasks.train.worker import save_outputs
+
+    store = open_store(f"file://{tmp_path}/store")
+    synced: list[str] = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(str(folder)), real(folder))[1])
+    tokenizer = build_tokenizer()
+    core = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=8, n_layer=1, n_head=1, n_positions=16))
+    optimizer = torch.optim.AdamW(core.parameters())
+    writer = UnitWriter(store, UNIT)
+    save_outputs(torch.nn.Sequential(core), core, optimizer, tokenizer, tmp_path, writer, rank=0, world=1)
+    attempt = store.root / UNIT / ".attempts" / writer.attempt
+    assert {"model.safetensors", "optimizer.safetensors"} <= {p.name for p in attempt.iterdir()}
+    assert str(attempt) in synced and str(attempt.parent) in synced, synced
+    assert local._DEFERRED == set()

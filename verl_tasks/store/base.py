@@ -49,6 +49,11 @@ class ObjectStore(abc.ABC):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist. Returns False if it already existed."""
 
+    def make_durable(self) -> None:
+        """Make what this process wrote durable now, before another process commits it (a Ray Train
+        worker's share of an update). The local store defers its attempt folders' fsyncs to the next
+        marker written *in this process*; a write to S3 is durable once acknowledged: nothing to do."""
+
     @abc.abstractmethod
     def put_file(self, key: str, path: Path) -> None:
         """Upload a local file (multipart for large files on S3)."""

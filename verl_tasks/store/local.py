@@ -22,9 +22,11 @@ class LocalStore(ObjectStore):
     the usual modes under the umask (group-readable on a shared volume).
 
     An attempt's files (keys under ``/.attempts/``) are invisible until a marker
-    names them, so their folders' fsyncs wait for the next marker write
-    (``put_if_absent`` syncs every such folder first): a unit of N files costs
-    N + a few fsyncs instead of 2N. Each file's data is still fsynced as it is written."""
+    names them, so their folders' fsyncs wait for the next marker write in this
+    process (``put_if_absent`` syncs every such folder first): a unit of N files
+    costs N + a few fsyncs instead of 2N. Each file's data is still fsynced as it is
+    written. A process that hands its attempt files to another to commit (a Ray
+    Train worker) calls ``make_durable`` first."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
@@ -88,6 +90,9 @@ class LocalStore(ObjectStore):
         target, later = self._path(key), _invisible(key)
         os.replace(self._write_temp(target, source=Path(path), later=later), target)
         _sync_dir(target.parent, later)
+
+    def make_durable(self) -> None:
+        sync_deferred()
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         target = self._path(key)

@@ -208,6 +208,7 @@ def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch
                 index = optimizer_index(optimizer, {optimizer_shard_name(r): every[r] for r in range(world)})
                 (out / OPTIMIZER_INDEX).write_text(json.dumps(index, sort_keys=True, indent=1))
                 hyper = {"param_groups": index["param_groups"]}
+    writer.store.make_durable()  # the driver writes the marker, in another process
     return hyper
 
 
