@@ -263,3 +263,27 @@ def test_too_many_failed_batches_fail_validate_naming_the_setting(tiny_config, t
     assert read_skipped(ctx.store, ctx.layout, 0) == []
     tried = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "started" and e["unit"] == ctx.layout.validate(0)]
     assert len(tried) == 1, "validate again cannot bring the batches back: not retried"
+
+
+def test_a_cancelled_validate_never_records_which_batches_the_epoch_goes_without(tiny_config, tmp_path):
+    """The skipped set is committed once for good: a validate attempt fenced (timed out, or cleared
+    while a late batch was still scoring) must not write it, or the batch would stay out after it commits."""
+    from verl_tasks.errors import AttemptFenced
+    from verl_tasks.store.units import fence_attempt, new_attempt_id
+
+    ctx, _ = _faulty(tiny_config, f"file://{tmp_path}/fenced", 0.75, set())
+    run_phase(ctx, "plan", 0)
+    for batch in range(4):
+        run_phase(ctx, "rollout", 0, batch)
+    for batch in (0, 1, 3):  # batch 2 is still being scored
+        run_phase(ctx, "score", 0, batch)
+    ctx.attempt = new_attempt_id()
+    fence_attempt(ctx.store, ctx.layout.validate(0), ctx.attempt, "cleared in the UI")
+    with pytest.raises(AttemptFenced):
+        run_phase(ctx, "validate", 0)
+    assert read_skipped(ctx.store, ctx.layout, 0) == [] and not is_committed(ctx.store, ctx.layout.validate(0))
+    run_phase(ctx, "score", 0, 2)  # the late batch commits; the next validate attempt reads all four
+    ctx.attempt = None
+    run_phase(ctx, "validate", 0)
+    assert read_skipped(ctx.store, ctx.layout, 0) == []
+    assert read_json(ctx.store, read_marker(ctx.store, ctx.layout.validate(0)), "report.json")["rows"] == 64

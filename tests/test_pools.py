@@ -117,7 +117,8 @@ def test_a_unit_asking_for_both_gpus_waits_until_they_are_free(gpu_head, tiny_co
     rollouts = [pools.submit(first.config, UnitSpec(name, "rollout", 0, b), None)[0] for b in (0, 1)]
     try:
         wait_until("both rollouts to hold a GPU", lambda: all(p.exists() for p in held))
-        second = tiny_config(f"file://{tmp_path}/b", **{**FAST, "experiment": "two-gpus", "resources.plan.num_gpus": 2})
+        second = tiny_config(f"file://{tmp_path}/b", **{**FAST, "experiment": "two-gpus", "resources.plan.num_gpus": 2,
+                                                        "resources.plan.idle_release_s": 4})  # the GPUs back soon
         wide, _ = pools.submit(second, UnitSpec("two-gpus", "plan", 0), None)
         ready, _ = ray.wait([wide], timeout=3)
         assert not ready, "a unit asking for 2 GPUs started while both were held"
@@ -297,10 +298,15 @@ def test_a_sharded_engine_worker_holds_its_gpus_as_one_placement_group(gpu_head,
     (vLLM's shard workers are placed in it), and an idle worker gives them back."""
     import ray
     from ray.util.placement_group import get_placement_group, placement_group_table
+    from ray.util.state import list_actors
 
     from verl_tasks.execution import pools
 
-    wait_until("both logical GPUs to be free", lambda: ray.available_resources().get("GPU", 0) == 2)
+    try:
+        wait_until("both logical GPUs to be free", lambda: ray.available_resources().get("GPU", 0) == 2)
+    except AssertionError as err:  # say who holds them
+        live = [(a.name, a.state, a.pid) for a in list_actors(filters=[("state", "!=", "DEAD")])]
+        raise AssertionError(f"{err}; available {ray.available_resources()}; live actors {live}") from None
     cfg = tiny_config(f"file://{tmp_path}/store", **{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2,
                                                       "resources.rollout.num_gpus": 2,
                                                       "resources.rollout.idle_release_s": 3})
@@ -348,3 +354,17 @@ def test_airflows_execution_timeout_stops_a_ray_driver_unit(gpu_head, tmp_path, 
     assert read_marker(store, unit) is None
     retried = operator("rollout", 0).execute(ctx)
     assert read_marker(store, unit).attempt == retried["attempt"] != doomed._running.attempt
+
+
+def test_a_unit_cancelled_before_it_reached_an_actor_is_fenced_all_the_same(tiny_config, tmp_path):
+    """Airflow may kill the task between the attempt id and the call reaching a worker: with no actor
+    to kill, the fence alone must stop the unit that may be on its way."""
+    from verl_tasks.execution import driver
+    from verl_tasks.store import open_store
+    from verl_tasks.store.units import fence_record, new_attempt_id
+
+    config = tiny_config(f"file://{tmp_path}/store")
+    running = driver.Running(config, UnitSpec(config.experiment, "rollout", 0, 1), new_attempt_id())
+    driver.cancel(running, "the Airflow task was killed (clear, mark failed or timeout)")
+    unit = Layout(config.experiment).rollout(0, 1)
+    assert running.cancelled and fence_record(open_store(config.storage.uri), unit, running.attempt) is not None

@@ -331,3 +331,29 @@ def test_no_space_while_a_library_writes_into_the_staging_folder_is_the_stores_c
             (out / "model.safetensors").write_bytes(b"half")
             raise OSError(errno.ENOSPC, "No space left on device")  # what safetensors raises on a full disk
     assert writer.files == {} and store.list(UNIT) == [] and store.temp_files(UNIT) == {}
+
+
+def test_a_second_copy_of_an_attempt_that_committed_keeps_the_files_when_fenced(store):
+    """Ray may run one call twice (an actor unreachable, the call sent again with its attempt id). If
+    one copy committed before the attempt was fenced, the other copy's commit must not discard the
+    committed files: the marker names this attempt, so the commit is this attempt's success."""
+    from verl_tasks.errors import AttemptFenced
+    from verl_tasks.store.units import fence_attempt
+
+    unit = Layout("exp").rollout(0, 0)
+    first = UnitWriter(store, unit)
+    first.write_bytes("samples.jsonl", b"{}\n")
+    record, won = first.commit({})
+    fence_attempt(store, unit, first.attempt, "timed out after 60 s")
+    late = UnitWriter(store, unit, first.attempt)
+    late.write_bytes("samples.jsonl", b"{}\n")
+    again, won_again = late.commit({})
+    assert won and won_again and again.attempt == record.attempt
+    assert read_bytes(store, read_marker(store, unit), "samples.jsonl") == b"{}\n"
+    other = Layout("exp").rollout(0, 1)  # a fenced attempt that did not commit is still refused
+    fence_attempt(store, other, "20261201T000000-bbbbbbbbbb", "cleared in the UI")
+    refused = UnitWriter(store, other, "20261201T000000-bbbbbbbbbb")
+    refused.write_bytes("samples.jsonl", b"{}\n")
+    with pytest.raises(AttemptFenced):
+        refused.commit({})
+    assert read_marker(store, other) is None and not [k for k in store.list(other + "/") if "/.attempts/" in k]

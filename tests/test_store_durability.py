@@ -21,10 +21,14 @@ def test_attempt_folders_are_synced_once_and_before_the_marker(tmp_path, monkeyp
     writer = UnitWriter(store, UNIT)
     for i in range(5):
         writer.write_bytes(f"part{i}.jsonl", b"{}\n" * (i + 1))
-    assert trail == [], f"attempt files fsynced their folders before the commit: {trail}"
+    attempt_dir = str(store.root / UNIT / ".attempts" / writer.attempt)
+    early = [folder for _, folder in trail]
+    assert attempt_dir not in early, f"the attempt's own folder was fsynced before the commit: {trail}"
+    # Folders other units share are synced when created: only the attempt's own entries wait.
+    assert early == [str(store.root.parent)] + [str(store.root / p) for p in (
+        "", "exp", "exp/epochs", "exp/epochs/00000", "exp/epochs/00000/rollout", UNIT)], trail
     record, won = writer.commit({})
     assert won and read_marker(store, UNIT).attempt == record.attempt
-    attempt_dir = str(store.root / UNIT / ".attempts" / record.attempt)
     link_at = trail.index(("link", str(store.root / UNIT / "_SUCCESS")))
     synced_before = [folder for op, folder in trail[:link_at] if op == "fsync_dir"]
     assert synced_before.count(attempt_dir) == 1, trail  # once for five files
@@ -32,6 +36,35 @@ def test_attempt_folders_are_synced_once_and_before_the_marker(tmp_path, monkeyp
         assert str(folder) in synced_before, f"{folder} (a new folder's parent) not synced before the marker: {trail}"
     assert ("fsync_dir", str(store.root / UNIT)) in trail[link_at:]  # the marker's own entry
     assert local._DEFERRED == set()
+
+
+def test_a_marker_never_waits_on_folders_another_process_created_and_never_synced(tmp_path, monkeypatch):
+    """Two workers' units under one epoch: the first creates the shared folders, then dies before any
+    marker (its deferred fsyncs die with it). The second finds those folders there; its marker must
+    still not depend on entries nobody made durable."""
+    store = open_store(f"file://{tmp_path}/store")
+    synced: list[Path] = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(Path(folder)), real(folder))[1])
+    first = UnitWriter(store, UNIT)
+    first.write_bytes("samples.jsonl", b"{}\n")
+    monkeypatch.setattr(local, "_DEFERRED", set())  # the first worker's process is gone, unsynced
+    second = UnitWriter(store, UNIT)  # its retry (a sibling batch shares all but the unit's folders)
+    second.write_bytes("samples.jsonl", b"{}\n")
+    assert second.commit({})[1]
+    attempt = store.root / UNIT / ".attempts" / second.attempt
+    on_the_path = [attempt, *[p for p in attempt.parents if p.is_relative_to(store.root / "exp")]]
+    unsynced = [f"{p.name} in {p.parent}" for p in on_the_path if p.parent not in synced]
+    assert unsynced == [], f"entries on the committed unit's path never fsynced: {unsynced}"
+
+
+def test_the_first_event_of_an_experiment_makes_its_folder_durable(tmp_path, monkeypatch):
+    store = open_store(f"file://{tmp_path}/store")
+    synced: list[Path] = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(Path(folder)), real(folder))[1])
+    store.put_log("exp2/events/0001.json", b"{}")  # the experiment's first write: a started event
+    assert store.root in synced and store.root / "exp2" in synced, synced
 
 
 def test_a_plain_put_still_syncs_its_folder_at_once(tmp_path, monkeypatch):

@@ -110,15 +110,16 @@ def split(began: float, connected: float, submitted: float, result: dict[str, An
 
 
 def cancel(running: Running, reason: str) -> None:
-    """Fence the attempt and kill the actor it was sent to; a no-op once the unit returned."""
-    if running.done or not running.actors:
+    """Kill the actor the attempt was sent to (if any yet) and fence the attempt; a no-op once the unit returned."""
+    if running.done:
         return
     from verl_tasks.execution import pools
 
     running.done = True
     running.cancelled = reason
     try:
-        pools.cancel_unit(running.config, running.spec, running.attempt, running.actors[-1], reason)
+        pools.cancel_unit(running.config, running.spec, running.attempt,
+                          running.actors[-1] if running.actors else None, reason)
     except Exception:  # noqa: BLE001 - cancelling is best effort; the fence is what guarantees no commit
         log.exception("cancelling %s (attempt %s) failed", running.spec.label, running.attempt)
 

@@ -86,8 +86,8 @@ def _run_on_pool(config, spec: UnitSpec) -> dict:
     running: list = []
 
     def cancel(signum: int, _frame: object) -> None:
-        if running:
-            pools.cancel_unit(config, spec, attempt, running[-1], f"job stopped (signal {signum})")
+        # Fenced even before an actor is known: the unit may be on its way to one.
+        pools.cancel_unit(config, spec, attempt, running[-1] if running else None, f"job stopped (signal {signum})")
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, cancel)

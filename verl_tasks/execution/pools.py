@@ -402,16 +402,22 @@ def _cancel_overdue(config: ExperimentConfig, pending: dict[Any, tuple], timeout
             cancel_unit(config, spec, attempt, actor, f"timed out after {timeout_s:g} s")
 
 
-def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any, reason: str) -> str:
-    """Fence the attempt so it can never commit, then kill (and let Ray restart) the actor running it."""
+def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any | None, reason: str) -> str:
+    """Kill (and let Ray restart) the actor running the attempt, then fence the attempt so it can never commit.
+
+    The kill goes first: it is one quick call, while the fence is a store write (on S3, with
+    retries) that a stopping job's SIGKILL may cut short. With no actor known yet (the unit was
+    being sent) the fence alone stops it: a commit checks it first.
+    """
     from verl_tasks.layout import Layout
     from verl_tasks.store import store_for
     from verl_tasks.store.units import fence_attempt
 
     unit = Layout(config.experiment).unit(spec.phase, spec.epoch, spec.batch)
+    if actor is not None:
+        ray.kill(actor, no_restart=False)
     if attempt:
         fence_attempt(store_for(config), unit, attempt, reason)
-    ray.kill(actor, no_restart=False)
     log.warning("cancelled %s (attempt %s): %s", unit, attempt, reason)
     return unit
 

@@ -22,9 +22,10 @@ class LocalStore(ObjectStore):
     the usual modes under the umask (group-readable on a shared volume).
 
     An attempt's files (keys under ``/.attempts/``) are invisible until a marker
-    names them, so their folders' fsyncs wait for the next marker write in this
-    process (``put_if_absent`` syncs every such folder first): a unit of N files
-    costs N + a few fsyncs instead of 2N. Each file's data is still fsynced as it is
+    names them, so the fsyncs of the attempt's own folders wait for the next marker
+    write in this process (``put_if_absent`` syncs every such folder first): a unit
+    of N files costs N + a few fsyncs instead of 2N. Folders that other units share
+    (the unit's, ``.attempts``, the epoch's) are synced when created. Each file's data is still fsynced as it is
     written. A process that hands its attempt files to another to commit (a Ray
     Train worker) calls ``make_durable`` first."""
 
@@ -36,7 +37,12 @@ class LocalStore(ObjectStore):
         return self.root / check_key(key)
 
     def _makedirs(self, folder: Path, later: bool = False) -> None:
-        """Create ``folder`` and missing parents, fsyncing each new entry's parent (``later``: at the next marker)."""
+        """Create ``folder`` and missing parents, fsyncing each new entry's parent.
+
+        With ``later``, the fsync of an attempt's own folder (and any inside it) waits for the next
+        marker; a folder above it (the unit's, its ``.attempts``, the epoch's) is synced at once:
+        other processes' units share it and will not sync an entry they found already there.
+        """
         if folder.is_dir():
             return
         self._makedirs(folder.parent, later)
@@ -44,14 +50,11 @@ class LocalStore(ObjectStore):
             folder.mkdir()
         except FileExistsError:
             return
-        _sync_dir(folder.parent, later)
+        _sync_dir(folder.parent, later and _invisible(self._key_of(folder)))
 
     def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None,
                     sync: bool = True, later: bool = False) -> Path:
-        if sync:
-            self._makedirs(target.parent, later)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
+        self._makedirs(target.parent, later)  # an event's folder too: it may be the experiment's first
         tmp = _in_flight_name(target.parent)
         # 0o666 under the umask (mkstemp would make it 0600, unreadable to the group).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -257,9 +260,12 @@ _DEFERRED: set[Path] = set()
 _DEFERRED_LOCK = threading.Lock()
 
 
+_IN_ATTEMPT = "/.attempts/"
+
+
 def _invisible(key: str) -> bool:
     """True for an attempt's files: no reader looks at them until a marker names them."""
-    return "/.attempts/" in key
+    return _IN_ATTEMPT in key
 
 
 def _sync_dir(folder: Path, later: bool) -> None:

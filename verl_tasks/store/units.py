@@ -192,6 +192,11 @@ class UnitWriter:
         """
         fence = fence_record(self.store, self.unit, self.attempt)
         if fence is not None:
+            mine = read_marker(self.store, self.unit)
+            if mine is not None and mine.attempt == self.attempt:
+                # Another copy of this attempt (a call Ray delivered twice) committed before the
+                # fence: its files are the unit's now, not this copy's to discard.
+                return mine, True
             self.discard()
             raise AttemptFenced(self.unit, self.attempt, str(fence.get("reason", "cancelled")))
         missing = self._missing_files()
