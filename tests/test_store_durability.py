@@ -108,3 +108,11 @@ def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp
     assert {"model.safetensors", "optimizer.safetensors"} <= {p.name for p in attempt.iterdir()}
     assert str(attempt) in synced and str(attempt.parent) in synced, synced
     assert local._DEFERRED == set()
+
+
+def test_an_attempt_creates_a_store_root_whose_parents_do_not_exist_yet(tmp_path):
+    store = open_store(f"file://{tmp_path}/volume/stores/store")  # nothing below tmp_path exists
+    writer = UnitWriter(store, UNIT)
+    writer.write_bytes("samples.jsonl", b"{}\n")
+    record, won = writer.commit({})
+    assert won and read_marker(store, UNIT).attempt == record.attempt

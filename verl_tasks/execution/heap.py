@@ -4,8 +4,9 @@ A process that runs many units (a Ray pool worker, ``verl-tasks run``) holds
 hundreds of thousands of objects that live as long as it does: torch,
 transformers and Great Expectations, the warm policy, the gate's context.
 CPython's cyclic collector walks all of them on every full (generation 2)
-collection: on the tiny experiment about 670k objects and 310 ms, once every
-~40-100 epochs, on whichever unit happens to allocate at that moment.
+collection: on the tiny experiment about 690k objects and 336 ms, about once in
+140 epochs, on whichever unit happens to allocate at that moment
+(``benchmarks/gc_pauses.py``).
 
 ``gc.freeze()`` moves every object tracked so far into a permanent generation
 that no collection walks. It is O(1), so it is done after any unit that

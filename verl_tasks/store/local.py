@@ -25,9 +25,9 @@ class LocalStore(ObjectStore):
     names them, so the fsyncs of the attempt's own folders wait for the next marker
     write in this process (``put_if_absent`` syncs every such folder first): a unit
     of N files costs N + a few fsyncs instead of 2N. Folders that other units share
-    (the unit's, ``.attempts``, the epoch's) are synced when created. Each file's data is still fsynced as it is
-    written. A process that hands its attempt files to another to commit (a Ray
-    Train worker) calls ``make_durable`` first."""
+    (the unit's, ``.attempts``, the epoch's) are synced when created. Each file's
+    data is still fsynced as it is written. A process that hands its attempt files
+    to another to commit (a Ray Train worker) calls ``make_durable`` first."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
@@ -50,7 +50,7 @@ class LocalStore(ObjectStore):
             folder.mkdir()
         except FileExistsError:
             return
-        _sync_dir(folder.parent, later and _invisible(self._key_of(folder)))
+        _sync_dir(folder.parent, later and folder.is_relative_to(self.root) and _invisible(self._key_of(folder)))
 
     def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None,
                     sync: bool = True, later: bool = False) -> Path:
@@ -260,12 +260,9 @@ _DEFERRED: set[Path] = set()
 _DEFERRED_LOCK = threading.Lock()
 
 
-_IN_ATTEMPT = "/.attempts/"
-
-
 def _invisible(key: str) -> bool:
     """True for an attempt's files: no reader looks at them until a marker names them."""
-    return _IN_ATTEMPT in key
+    return "/.attempts/" in key
 
 
 def _sync_dir(folder: Path, later: bool) -> None:
