@@ -250,7 +250,12 @@ def submit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None) -> tup
     retire_stale_now_and_then(shape)
     actors = pool_actors(shape)
     actor = actors[pick_actor(actors, spec.batch)]
-    return actor.run.remote(config.model_dump(mode="json"), spec.phase, spec.epoch, spec.batch, attempt), actor
+    return send(actor, config, spec, attempt), actor
+
+
+def send(actor: Any, config: ExperimentConfig, spec: UnitSpec, attempt: str | None) -> Any:
+    """Ask ``actor`` to run the unit's attempt; returns the result's ObjectRef."""
+    return actor.run.remote(config.model_dump(mode="json"), spec.phase, spec.epoch, spec.batch, attempt)
 
 
 def _timed_out(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any, timeout_s: float):
@@ -279,15 +284,17 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
 
     Ray fails such a call at once ("temporarily unavailable"); sending the same attempt
     again is safe: a unit that did commit is skipped, one that did not is redone to the
-    same bytes. Not when ``cancelled()`` says the caller killed that actor itself.
-    ``on_submit`` hears each actor the unit is sent to (to cancel it there).
+    same bytes. It goes to the same actor, which runs one unit at a time: were the first
+    call still running there (the actor was unreachable, not restarted), the second would
+    start after it, never beside it in the same attempt's folder. Not when ``cancelled()``
+    says the caller killed that actor itself. ``on_submit`` hears the actor (to cancel it there).
     """
     first_refused: float | None = None
     resend = 0
+    ref, actor = submit(config, spec, attempt)
+    if on_submit:
+        on_submit(actor)
     while True:
-        ref, actor = submit(config, spec, attempt)
-        if on_submit:
-            on_submit(actor)
         try:
             return wait(config, spec, attempt, ref, actor, timeout_s)
         except ray.exceptions.ActorUnavailableError:
@@ -297,6 +304,7 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
             resend += 1
             log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label, resend)
             time.sleep(min(2.0, STATE_POLL_S * resend))
+            ref = send(actor, config, spec, attempt)
 
 
 def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
