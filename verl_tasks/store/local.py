@@ -36,25 +36,25 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _makedirs(self, folder: Path, later: bool = False) -> None:
+    def _makedirs(self, folder: Path) -> None:
         """Create ``folder`` and missing parents, fsyncing each new entry's parent.
 
-        With ``later``, the fsync of an attempt's own folder (and any inside it) waits for the next
-        marker; a folder above it (the unit's, its ``.attempts``, the epoch's) is synced at once:
-        other processes' units share it and will not sync an entry they found already there.
+        The fsync of an attempt's own folder (and any inside it) waits for the next marker; a folder
+        above it (the unit's, its ``.attempts``, the epoch's) is synced at once: other processes'
+        units share it and will not sync an entry they found already there.
         """
         if folder.is_dir():
             return
-        self._makedirs(folder.parent, later)
+        self._makedirs(folder.parent)
         try:
             folder.mkdir()
         except FileExistsError:
             return
-        _sync_dir(folder.parent, later and folder.is_relative_to(self.root) and _invisible(self._key_of(folder)))
+        _sync_dir(folder.parent, folder.is_relative_to(self.root) and _invisible(self._key_of(folder)))
 
     def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None,
-                    sync: bool = True, later: bool = False) -> Path:
-        self._makedirs(target.parent, later)  # an event's folder too: it may be the experiment's first
+                    sync: bool = True) -> Path:
+        self._makedirs(target.parent)  # an event's folder too: it may be the experiment's first
         tmp = _in_flight_name(target.parent)
         # 0o666 under the umask (mkstemp would make it 0600, unreadable to the group).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -81,17 +81,18 @@ class LocalStore(ObjectStore):
 
     def put(self, key: str, data: bytes) -> None:
         target, later = self._path(key), _invisible(key)
-        os.replace(self._write_temp(target, data, later=later), target)
+        os.replace(self._write_temp(target, data), target)
         _sync_dir(target.parent, later)
 
     def put_log(self, key: str, data: bytes) -> None:
-        """Like ``put`` (temp file renamed into place) without the fsyncs: events are telemetry."""
+        """Like ``put`` (temp file renamed into place) without fsyncing the event or its rename: events
+        are telemetry. A folder it creates is still made durable, once."""
         target = self._path(key)
         os.replace(self._write_temp(target, data, sync=False), target)
 
     def put_file(self, key: str, path: Path) -> None:
         target, later = self._path(key), _invisible(key)
-        os.replace(self._write_temp(target, source=Path(path), later=later), target)
+        os.replace(self._write_temp(target, source=Path(path)), target)
         _sync_dir(target.parent, later)
 
     def make_durable(self) -> None:
@@ -208,7 +209,7 @@ class LocalStore(ObjectStore):
         if not source.is_file():
             raise NotFound(src)
         target, later = self._path(dst), _invisible(dst)
-        self._makedirs(target.parent, later)
+        self._makedirs(target.parent)
         tmp = _in_flight_name(target.parent)
         try:
             os.link(source, tmp)
@@ -226,7 +227,7 @@ class LocalStore(ObjectStore):
         the block ends (the same filesystem: no copy). Readers and ``list`` never look inside it."""
         folder = self._path(prefix.rstrip("/"))
         later = _invisible(prefix.rstrip("/") + "/")
-        self._makedirs(folder, later)
+        self._makedirs(folder)
         stage = _in_flight_name(folder)
         stage.mkdir()
         try:
