@@ -4,11 +4,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from verl_tasks.store import local
 from verl_tasks.store import open_store
 from verl_tasks.store.units import UnitWriter, read_marker
 
 UNIT = "exp/epochs/00000/rollout/b0000"
+
+
+@pytest.fixture
+def synced(monkeypatch) -> list[Path]:
+    """Every folder the local store fsyncs from now on, in order."""
+    folders: list[Path] = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (folders.append(Path(folder)), real(folder))[1])
+    return folders
 
 
 def test_attempt_folders_are_synced_once_and_before_the_marker(tmp_path, monkeypatch):
@@ -38,14 +49,11 @@ def test_attempt_folders_are_synced_once_and_before_the_marker(tmp_path, monkeyp
     assert local._DEFERRED == set()
 
 
-def test_a_marker_never_waits_on_folders_another_process_created_and_never_synced(tmp_path, monkeypatch):
+def test_a_marker_never_waits_on_folders_another_process_created_and_never_synced(tmp_path, monkeypatch, synced):
     """Two workers' units under one epoch: the first creates the shared folders, then dies before any
     marker (its deferred fsyncs die with it). The second finds those folders there; its marker must
     still not depend on entries nobody made durable."""
     store = open_store(f"file://{tmp_path}/store")
-    synced: list[Path] = []
-    real = local._fsync_dir
-    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(Path(folder)), real(folder))[1])
     first = UnitWriter(store, UNIT)
     first.write_bytes("samples.jsonl", b"{}\n")
     monkeypatch.setattr(local, "_DEFERRED", set())  # the first worker's process is gone, unsynced
@@ -58,20 +66,14 @@ def test_a_marker_never_waits_on_folders_another_process_created_and_never_synce
     assert unsynced == [], f"entries on the committed unit's path never fsynced: {unsynced}"
 
 
-def test_the_first_event_of_an_experiment_makes_its_folder_durable(tmp_path, monkeypatch):
+def test_the_first_event_of_an_experiment_makes_its_folder_durable(tmp_path, synced):
     store = open_store(f"file://{tmp_path}/store")
-    synced: list[Path] = []
-    real = local._fsync_dir
-    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(Path(folder)), real(folder))[1])
     store.put_log("exp2/events/0001.json", b"{}")  # the experiment's first write: a started event
     assert store.root in synced and store.root / "exp2" in synced, synced
 
 
-def test_a_plain_put_still_syncs_its_folder_at_once(tmp_path, monkeypatch):
+def test_a_plain_put_still_syncs_its_folder_at_once(tmp_path, synced):
     store = open_store(f"file://{tmp_path}/store")
-    synced: list[Path] = []
-    real = local._fsync_dir
-    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(Path(folder)), real(folder))[1])
     store.put("exp/snapshots/latest.json", b"{}")
     assert store.root / "exp/snapshots" in synced
 
@@ -86,7 +88,7 @@ def test_a_discarded_attempt_does_not_break_the_next_commit(tmp_path):
     assert writer.commit({})[1]
 
 
-def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp_path, monkeypatch):
+def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp_path, synced):
     """A Ray Train worker writes its files into the attempt; the driver, another process, writes the
     marker. The worker cannot leave its folders' fsyncs for a marker it never writes."""
     import torch
@@ -96,9 +98,6 @@ def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp
     from verl_tasks.train.worker import save_outputs
 
     store = open_store(f"file://{tmp_path}/store")
-    synced: list[str] = []
-    real = local._fsync_dir
-    monkeypatch.setattr(local, "_fsync_dir", lambda folder: (synced.append(str(folder)), real(folder))[1])
     tokenizer = build_tokenizer()
     core = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=8, n_layer=1, n_head=1, n_positions=16))
     optimizer = torch.optim.AdamW(core.parameters())
@@ -106,7 +105,7 @@ def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp
     save_outputs(torch.nn.Sequential(core), core, optimizer, tokenizer, tmp_path, writer, rank=0, world=1)
     attempt = store.root / UNIT / ".attempts" / writer.attempt
     assert {"model.safetensors", "optimizer.safetensors"} <= {p.name for p in attempt.iterdir()}
-    assert str(attempt) in synced and str(attempt.parent) in synced, synced
+    assert attempt in synced and attempt.parent in synced, synced
     assert local._DEFERRED == set()
 
 

@@ -6,9 +6,10 @@ under that sha256. A unit of the same version reuses the entry; a new version
 of the same architecture loads its weights into an evicted entry in place
 (no model construction); anything else builds the model. The update takes its
 model *out* of the cache before training it (or trains a copy, when this process
-reads that version again), so a cached entry never holds weights other than its key says. An adopted entry may carry the optimizer whose
-state was committed beside those weights, named by that state's checksums, so the
-next update resumes from it without reading the state back.
+reads that version again), so a cached entry never holds weights other than its
+key says. An adopted entry may carry the optimizer whose state was committed
+beside those weights, named by that state's checksums, so the next update resumes
+from it without reading the state back.
 """
 from __future__ import annotations
 
