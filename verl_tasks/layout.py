@@ -14,6 +14,7 @@
     <experiment>/snapshots/00004/                HF-loadable folder + optimizer + trainer_state.json
     <experiment>/snapshots/latest.json           pointer to the newest committed snapshot
     <experiment>/snapshots/best.json             the best snapshot by storage.keep_best_by (when set)
+    <experiment>/snapshots/retention.json        retention's watermark: versions it need not look at again
     <experiment>/base/evaluate/                  accuracy of policy version 0
     <experiment>/events/                         one JSON object per event
     <experiment>/tombstones/                     markers of rolled-back units
@@ -98,6 +99,10 @@ class Layout:
     @property
     def best(self) -> str:
         return f"{self.snapshots}/best.json"
+
+    @property
+    def retention(self) -> str:
+        return f"{self.snapshots}/retention.json"
 
     @property
     def events(self) -> str:

@@ -19,7 +19,7 @@ from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.events import record_event
 from verl_tasks.layout import MAX_EPOCH, Layout
 from verl_tasks.store.base import ObjectStore
-from verl_tasks.store.conventions import forget_best_above, write_latest
+from verl_tasks.store.conventions import forget_best_above, forget_retention, write_latest
 from verl_tasks.store.units import MARKER, PRUNED, is_pruned, read_marker
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ def apply_rollback(store: ObjectStore, layout: Layout, plan: RollbackPlan) -> st
         n += 1
         tomb = f"{layout.tombstones}/{stamp}-{n}"
     rel = len(layout.root) + 1
+    # First: the rolled-back versions will be committed again unpruned, which the watermark must not hide.
+    forget_retention(store, layout)
     store.put(f"{tomb}/rollback.json", json.dumps(
         {"to_epoch": plan.to_epoch, "units": plan.units, "created_at": time.time()}, indent=1).encode())
     # Newest first: a crash half way leaves a prefix of epochs, which a rerun of rollback completes.

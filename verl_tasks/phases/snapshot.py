@@ -23,8 +23,10 @@ from verl_tasks.store.conventions import (
     WEIGHTS,
     WRITTEN_BY_SNAPSHOT,
     latest_version,
+    read_retention,
     write_best,
     write_latest,
+    write_retention,
 )
 from verl_tasks.store.units import PRUNED, CommitRecord, UnitWriter, is_committed, is_pruned, read_json, read_marker
 
@@ -47,13 +49,13 @@ def prune(ctx: PhaseContext, unit: str, reason: str) -> bool:
     return True
 
 
-def evaluations(ctx: PhaseContext, newest: int) -> tuple[dict[int, float], set[int]]:
-    """``storage.keep_best_by`` of each evaluated version up to ``newest`` whose weights are still there
-    (one pruned before ``keep_best_by`` was set cannot come back), and the versions still awaiting one."""
+def evaluations(ctx: PhaseContext, versions: list[int]) -> tuple[dict[int, float], set[int]]:
+    """``storage.keep_best_by`` of each evaluated version among ``versions`` whose weights are still
+    there (one pruned before ``keep_best_by`` was set cannot come back), and those still awaiting one."""
     metric = ctx.config.storage.keep_best_by
     values: dict[int, float] = {}
     pending: set[int] = set()
-    for version in range(1, newest + 1):
+    for version in versions:
         if is_pruned(ctx.store, ctx.layout.snapshot(version)):
             continue
         record = committed(ctx, ctx.layout.evaluate(version - 1))
@@ -64,13 +66,13 @@ def evaluations(ctx: PhaseContext, newest: int) -> tuple[dict[int, float], set[i
     return values, pending
 
 
-def keep_best(ctx: PhaseContext, newest: int) -> set[int]:
+def keep_best(ctx: PhaseContext, versions: list[int]) -> set[int]:
     """Versions retention must keep for ``storage.keep_best_by``: the best evaluated one (``best.json``
     points at it) and every pending one that could still beat it. Ties go to the older version."""
     metric = ctx.config.storage.keep_best_by
     if metric is None:
         return set()
-    values, pending = evaluations(ctx, newest)
+    values, pending = evaluations(ctx, versions)
     if not values:
         return pending
     best = max(values, key=lambda v: (values[v], -v))
@@ -81,17 +83,31 @@ def keep_best(ctx: PhaseContext, newest: int) -> set[int]:
 
 
 def apply_retention(ctx: PhaseContext, newest: int) -> list[int]:
-    """Keep the base, the newest ``storage.keep_snapshots`` versions and ``keep_best``'s; prune older ones."""
+    """Keep the base, the newest ``storage.keep_snapshots`` versions and ``keep_best``'s; prune older ones.
+
+    The watermark (``retention.json``) makes a pass look only at versions it has not settled: the
+    kept ones and those that fell out of the window since, so its cost stays flat however long the run.
+    """
+    store, layout = ctx.store, ctx.layout
     keep = ctx.config.storage.keep_snapshots
-    protected = keep_best(ctx, newest)
+    through, kept = read_retention(store, layout)
+    horizon = newest - keep
+    unsettled = sorted(kept | set(range(through + 1, newest + 1)))
+    protected = keep_best(ctx, unsettled)
+    still_kept = {v for v in kept if v > horizon}
     pruned = []
-    for version in range(1, newest - keep + 1):
-        unit = ctx.layout.snapshot(version)
-        if version in protected or is_pruned(ctx.store, unit):  # one small check per older version and epoch
+    for version in (v for v in unsettled if v <= horizon):
+        unit = layout.snapshot(version)
+        if version in protected or not is_committed(store, unit):
+            still_kept.add(version)
             continue
-        if is_committed(ctx.store, unit) and prune(ctx, unit, f"retention: keep {keep} snapshots"):
-            prune(ctx, ctx.layout.update(version - 1), "retention: weights published and pruned")
+        if prune(ctx, unit, f"retention: keep {keep} snapshots"):
             pruned.append(version)
+        # Also when the snapshot was pruned by a pass that died before this line.
+        prune(ctx, layout.update(version - 1), "retention: weights published and pruned")
+    settled = max(through, horizon)
+    if (settled, still_kept) != (through, kept):
+        write_retention(store, layout, settled, still_kept)
     return pruned
 
 

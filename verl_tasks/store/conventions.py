@@ -4,7 +4,8 @@ What the phases, the runner, the ops commands, lineage and the Airflow
 operators agree on: the snapshot file names and which of them each copy takes,
 the ``latest.json`` pointer (which only moves forward), the ``best.json`` pointer
 of ``storage.keep_best_by``, retention's ``_PRUNED`` flag (a pruned snapshot is
-unavailable, not corrupt), an epoch's skipped batches and quarantine records.
+unavailable, not corrupt) and its watermark, an epoch's skipped batches and
+quarantine records.
 """
 from __future__ import annotations
 
@@ -105,6 +106,27 @@ def forget_best_above(store: ObjectStore, layout: Layout, version: int) -> bool:
         return False
     store.delete(layout.best)
     return True
+
+
+def read_retention(store: ObjectStore, layout: Layout) -> tuple[int, set[int]]:
+    """Retention's watermark ``(through, kept)``: every snapshot version up to ``through`` that is not
+    in ``kept`` is pruned, with its update unit, for good. ``(0, set())`` (look at every version) when
+    absent or unreadable, so a lost or damaged watermark costs one full pass, never a kept version."""
+    try:
+        body = json.loads(store.get(layout.retention))
+        return int(body["through"]), {int(v) for v in body["kept"]}
+    except (NotFound, ValueError, KeyError, TypeError):
+        return 0, set()
+
+
+def write_retention(store: ObjectStore, layout: Layout, through: int, kept: set[int]) -> None:
+    """Record that versions up to ``through`` outside ``kept`` are pruned (true once written: pruning is final)."""
+    store.put(layout.retention, json.dumps({"through": through, "kept": sorted(kept)}).encode())
+
+
+def forget_retention(store: ObjectStore, layout: Layout) -> None:
+    """Drop the watermark (rollback: versions it covered may be committed again, unpruned)."""
+    store.delete(layout.retention)
 
 
 def read_skipped(store: ObjectStore, layout: Layout, epoch: int) -> list[int]:
