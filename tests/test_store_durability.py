@@ -68,7 +68,7 @@ def test_a_marker_never_waits_on_folders_another_process_created_and_never_synce
 
 def test_the_first_event_of_an_experiment_makes_its_folder_durable(tmp_path, synced):
     store = open_store(f"file://{tmp_path}/store")
-    store.put_log("exp2/events/0001.json", b"{}")  # the experiment's first write: a started event
+    store.put_volatile("exp2/events/0001.json", b"{}")  # the experiment's first write: a started event
     assert store.root in synced and store.root / "exp2" in synced, synced
 
 

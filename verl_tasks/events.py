@@ -2,7 +2,7 @@
 
 Event keys sort by time, so ``status``, the dashboard and a person after an
 incident can replay what happened in order. Writing an event never fails the
-phase that reports it, and does not wait for the disk (``ObjectStore.put_log``):
+phase that reports it, and does not wait for the disk (``ObjectStore.put_volatile``):
 events are telemetry, the units' ``_SUCCESS`` markers are the truth, so a power
 loss may lose the newest events but never a commit.
 """
@@ -29,7 +29,7 @@ def record_event(store: ObjectStore, layout: Layout, kind: str, **fields: Any) -
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{now % 1:.6f}"[1:]
     name = f"{stamp}-{kind}-{uuid.uuid4().hex[:6]}.json"
     try:
-        store.put_log(f"{layout.events}/{name}", json.dumps(body, sort_keys=True, default=str).encode())
+        store.put_volatile(f"{layout.events}/{name}", json.dumps(body, sort_keys=True, default=str).encode())
     except Exception as err:  # noqa: BLE001 - the log must never break training
         log.warning("could not record %s event: %s", kind, err)
 

@@ -37,8 +37,9 @@ class ObjectStore(abc.ABC):
     def put(self, key: str, data: bytes) -> None:
         """Write (or overwrite) ``key`` atomically: readers see old or new bytes, never a mix."""
 
-    def put_log(self, key: str, data: bytes) -> None:
-        """Write a telemetry record (an event) atomically, without waiting for it to reach the disk.
+    def put_volatile(self, key: str, data: bytes) -> None:
+        """Write a record whose loss costs only time atomically, without waiting for it to reach the disk:
+        an event (telemetry), retention's watermark (a hint that is true once written).
 
         Readers never see half of it; a crash of the machine may lose the newest ones. Commit
         markers and unit files never use it. By default the same as ``put``.

@@ -120,8 +120,9 @@ def read_retention(store: ObjectStore, layout: Layout) -> tuple[int, set[int]]:
 
 
 def write_retention(store: ObjectStore, layout: Layout, through: int, kept: set[int]) -> None:
-    """Record that versions up to ``through`` outside ``kept`` are pruned (true once written: pruning is final)."""
-    store.put(layout.retention, json.dumps({"through": through, "kept": sorted(kept)}).encode())
+    """Record that versions up to ``through`` outside ``kept`` are pruned. True once written (pruning is
+    final, and the flags are durable first), so not synced: a crash may bring back an older, also true one."""
+    store.put_volatile(layout.retention, json.dumps({"through": through, "kept": sorted(kept)}).encode())
 
 
 def forget_retention(store: ObjectStore, layout: Layout) -> None:

@@ -84,9 +84,9 @@ class LocalStore(ObjectStore):
         os.replace(self._write_temp(target, data), target)
         _sync_dir(target.parent, later)
 
-    def put_log(self, key: str, data: bytes) -> None:
-        """Like ``put`` (temp file renamed into place) without fsyncing the event or its rename: events
-        are telemetry. A folder it creates is still made durable, once."""
+    def put_volatile(self, key: str, data: bytes) -> None:
+        """Like ``put`` (temp file renamed into place) without fsyncing the file or its rename.
+        A folder it creates is still made durable, once."""
         target = self._path(key)
         os.replace(self._write_temp(target, data, sync=False), target)
 
