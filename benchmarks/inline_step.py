@@ -1,6 +1,6 @@
 """The loop around the model: one inline verl-tasks epoch vs a hand-written GRPO step, same work.
 
-    .venv/bin/python benchmarks/inline_step.py [--repeats 9] [--json out.json]
+    .venv/bin/python benchmarks/inline_step.py [--repeats 9] [--json out.json] [--floor]
 
 Both sides use the same 105k-parameter GPT-2 (built from a config in code, with
 the built-in character tokenizer, saved to a folder and loaded by path), the
@@ -10,6 +10,11 @@ writes nothing; the verl-tasks epoch runs plan, rollout, score, validate,
 update and snapshot through the store (a local folder), with every unit
 committed. They run alternately in one process, so machine noise hits both.
 A second shape splits the same prompts into 4 batches of 4.
+
+``--floor`` also times the 1-batch epoch with parts the product requires taken out
+(the quality gate; every fsync, by making ``os.fsync`` a no-op while it runs), each
+beside the hand loop again: what is left is the loop around the model without them.
+The product has no such switches; they exist only here.
 """
 from __future__ import annotations
 
@@ -104,7 +109,7 @@ class HandLoop:
 class InlineEpochs:
     """verl-tasks' inline path on the same work; one call = one committed epoch (no evaluation)."""
 
-    def __init__(self, folder: Path, store: Path, batches: int, epochs: int):
+    def __init__(self, folder: Path, store: Path, batches: int, epochs: int, gate: bool = True):
         from verl_tasks.config import load_config
         from verl_tasks.runner import make_context
 
@@ -115,7 +120,7 @@ class InlineEpochs:
             "rollout.batches_per_epoch": batches, "rollout.prompts_per_batch": per_batch,
             "rollout.max_new_tokens": NEW_TOKENS, "rollout.temperature": 1.0, "algorithm.group_size": GROUP,
             "algorithm.minibatch_size": PROMPTS * GROUP, "algorithm.lr": 1e-4, "evaluate.every": 0,
-            "evaluate.max_prompts": 16, "data.train_size": 2000,
+            "evaluate.max_prompts": 16, "data.train_size": 2000, "quality.enabled": gate,
         })
         self.ctx = make_context(config)
         self.epoch = 0
@@ -131,15 +136,37 @@ class InlineEpochs:
         self.epoch += 1
 
 
-def measure(repeats: int, batches: int, work: Path) -> dict:
+def measure(repeats: int, batches: int, work: Path, gate: bool = True, fsync: bool = True) -> dict:
+    import os
+
     import torch
 
     torch.set_num_threads(THREADS)
-    folder = build_policy_folder(work / f"gpt2-{batches}")
+    name = f"{batches}" + ("" if gate else "-nogate") + ("" if fsync else "-nofsync")
+    folder = build_policy_folder(work / f"gpt2-{name}")
     hand = HandLoop(folder)
-    inline = InlineEpochs(folder, work / f"store-{batches}", batches, repeats + 2)
+    inline = InlineEpochs(folder, work / f"store-{name}", batches, repeats + 2, gate)
     inline.step()  # epoch 0 pins data and the base snapshot: a one-time cost, not a step
     hand.step()
+    real_fsync = os.fsync
+    if not fsync:
+        os.fsync = lambda fd: None
+    try:
+        hand_ms, inline_ms = timed_pairs(hand, inline, repeats)
+    finally:
+        os.fsync = real_fsync
+    hand_median, inline_median = statistics.median(hand_ms), statistics.median(inline_ms)
+    phases = phase_split(inline.ctx, range(1, repeats + 1))
+    loads = policy_loads(inline.ctx, range(1, repeats + 1))
+    return {"policy_loads": loads, "batches": batches, "prompts_per_batch": PROMPTS // batches,
+            "gate": gate, "fsync": fsync, "hand_ms": round(hand_median, 1),
+            "inline_ms": round(inline_median, 1), "ratio": round(inline_median / hand_median, 2),
+            "params": sum(p.numel() for p in hand.model.parameters()), "phases_ms": phases,
+            "validate_share": round(phases.get("validate", 0.0) / inline_median, 3)}
+
+
+def timed_pairs(hand: HandLoop, inline: InlineEpochs, repeats: int) -> tuple[list[float], list[float]]:
+    """``repeats`` hand steps and inline epochs, alternating (ms each)."""
     hand_ms, inline_ms = [], []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -148,13 +175,7 @@ def measure(repeats: int, batches: int, work: Path) -> dict:
         started = time.perf_counter()
         inline.step()
         inline_ms.append((time.perf_counter() - started) * 1000)
-    hand_median, inline_median = statistics.median(hand_ms), statistics.median(inline_ms)
-    phases = phase_split(inline.ctx, range(1, repeats + 1))
-    loads = policy_loads(inline.ctx, range(1, repeats + 1))
-    return {"policy_loads": loads, "batches": batches, "prompts_per_batch": PROMPTS // batches, "hand_ms": round(hand_median, 1),
-            "inline_ms": round(inline_median, 1), "ratio": round(inline_median / hand_median, 2),
-            "params": sum(p.numel() for p in hand.model.parameters()), "phases_ms": phases,
-            "validate_share": round(phases["validate"] / inline_median, 3)}
+    return hand_ms, inline_ms
 
 
 def policy_loads(ctx, epochs) -> int:
@@ -182,14 +203,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--floor", action="store_true",
+                        help="also time 1 batch without the gate, without fsync, and without both")
     args = parser.parse_args()
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         results = [measure(args.repeats, batches, Path(tmp)) for batches in (1, 4)]
+        if args.floor:
+            results += [measure(args.repeats, 1, Path(tmp), gate, fsync)
+                        for gate, fsync in ((False, True), (True, False), (False, False))]
     for r in results:
-        print(f"{r['batches']} batch(es) x {r['prompts_per_batch']} prompts x {GROUP} samples, {r['params']} params: "
+        removed = [part for part in ("gate", "fsync") if not r[part]]
+        print(f"{r['batches']} batch(es) x {r['prompts_per_batch']} prompts x {GROUP} samples, {r['params']} params"
+              + (f", WITHOUT {' and '.join(removed)}" if removed else "") + ": "
               f"hand loop {r['hand_ms']} ms, verl-tasks inline epoch {r['inline_ms']} ms, ratio {r['ratio']}x")
         print("  per phase (median ms per epoch, from the committed events): "
               + ", ".join(f"{k} {v}" for k, v in r["phases_ms"].items())
