@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from verl_tasks.config import ExperimentConfig
+from verl_tasks.execution.deadline import unit_deadline
 from verl_tasks.execution.heap import freeze_after_imports
 from verl_tasks.execution.outcome import LEAVE_OUT, RAISE, after_failure
 from verl_tasks.phase_registry import PHASES, phase as phase_spec
@@ -56,13 +57,15 @@ def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int 
     the Ray pools follow too: a transient error is tried again (``retry_delay_s`` apart) until
     ``1 + fault_tolerance.retries`` tries are spent; then a batched unit is left out when
     ``min_committed_batch_fraction`` < 1 (the epoch's validate decides), else the error stops the run.
+    A unit past ``fault_tolerance.timeout_s`` of its phase raises ``UnitTimeout`` (``unit_deadline``).
     """
     batched = phase_spec(phase).batched
     ft = ctx.config.fault_tolerance
     for batch in batches:
         for tries in itertools.count(1):
             try:
-                run_phase(ctx, phase, epoch, batch)
+                with unit_deadline(ctx.layout.unit(phase, epoch, batch), phase, ft.timeout_s.get(phase)):
+                    run_phase(ctx, phase, epoch, batch)
             except Exception as err:  # noqa: BLE001 - the shared policy decides what a failure means
                 step = after_failure(ft, batched, err, tries)
                 log.warning("%s of epoch %d batch %s failed (try %d of %d): %s: %s; %s", phase, epoch, batch, tries,

@@ -144,6 +144,11 @@ def engine_options(config: Any) -> EngineOptions:
 _VLLM: dict[str, Any] = {}  # one engine per process: {"engine", "key", "path"}
 
 
+def drop_vllm_engine() -> None:
+    """Forget the process's engine (its weights may be half reloaded); the next rollout builds one."""
+    _VLLM.clear()
+
+
 def _vllm_engine(path: str, options: EngineOptions, on_engine: Callable[[str], None] | None = None) -> Any:
     """The process's vLLM engine holding policy ``path``.
 
@@ -160,6 +165,7 @@ def _vllm_engine(path: str, options: EngineOptions, on_engine: Callable[[str], N
         return current
     if current is not None and _VLLM["key"] == key:
         try:
+            _VLLM["path"] = None  # until the reload completes: one interrupted half way is never reused
             current.collective_rpc("update_config", args=({"model_config": {"model": path}},))
             current.collective_rpc("reload_weights")
             _VLLM["path"] = path

@@ -131,7 +131,7 @@ def run_unit(
         committing = time.monotonic()  # the store's share: check the attempt's files, write the marker
         record, won = writer.commit(meta)
         commit_s = time.monotonic() - committing
-    except Exception as err:
+    except BaseException as err:  # a deadline or Ctrl-C ends the attempt too: the log says so
         record_event(
             ctx.store, ctx.layout, "failed", attempt=writer.attempt, error=f"{type(err).__name__}: {err}"[:2000],
             duration_s=round(time.monotonic() - started, 3), **ids,

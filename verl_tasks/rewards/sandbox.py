@@ -210,8 +210,8 @@ def warm_sandbox(function: str, timeout_s: float, memory_limit_mb: int) -> Itera
 
     Starting a worker costs a Python start-up and the function's imports; a warm one is
     reused by the next batch. Isolation and limits are the same; a worker that crashed,
-    hung or broke the protocol is replaced (``score`` restarts it), and every worker is
-    closed when the process exits.
+    hung or broke the protocol is replaced (``score`` restarts it), one whose batch was
+    interrupted is closed, and every worker is closed when the process exits.
     """
     key = (function, timeout_s, memory_limit_mb)
     with _GUARD:
@@ -223,7 +223,14 @@ def warm_sandbox(function: str, timeout_s: float, memory_limit_mb: int) -> Itera
             sandbox = None
         if sandbox is None:
             sandbox = _WARM[key] = RewardSandbox(function, timeout_s, memory_limit_mb)
-        yield sandbox
+        try:
+            yield sandbox
+        except BaseException:
+            # Interrupted mid-batch (a unit's deadline, Ctrl-C): replies may still be on their way,
+            # and the next batch would read them as its own.
+            _WARM.pop(key, None)
+            sandbox.close()
+            raise
 
 
 @atexit.register
