@@ -1,4 +1,4 @@
-"""The local store's fsync order: an attempt's folders are synced once, and before its marker exists."""
+"""The local store's fsync order: an attempt's files and folders are synced once, all before its marker exists."""
 from __future__ import annotations
 
 import os
@@ -28,11 +28,15 @@ def test_attempt_folders_are_synced_once_and_before_the_marker(tmp_path, monkeyp
     real_fsync_dir, real_link = local._fsync_dir, os.link
     monkeypatch.setattr(local, "_fsync_dir", lambda folder: (trail.append(("fsync_dir", str(folder))),
                                                             real_fsync_dir(folder))[1])
+    real_fsync_file = local._fsync_file
+    monkeypatch.setattr(local, "_fsync_file", lambda path: (trail.append(("fsync_file", str(path))),
+                                                           real_fsync_file(path))[1])
     monkeypatch.setattr(os, "link", lambda src, dst: (trail.append(("link", str(dst))), real_link(src, dst))[1])
     writer = UnitWriter(store, UNIT)
     for i in range(5):
         writer.write_bytes(f"part{i}.jsonl", b"{}\n" * (i + 1))
     attempt_dir = str(store.root / UNIT / ".attempts" / writer.attempt)
+    assert not [op for op, _ in trail if op == "fsync_file"], f"file data fsynced before the commit: {trail}"
     early = [folder for _, folder in trail]
     assert attempt_dir not in early, f"the attempt's own folder was fsynced before the commit: {trail}"
     # Folders other units share are synced when created: only the attempt's own entries wait.
@@ -43,10 +47,12 @@ def test_attempt_folders_are_synced_once_and_before_the_marker(tmp_path, monkeyp
     link_at = trail.index(("link", str(store.root / UNIT / "_SUCCESS")))
     synced_before = [folder for op, folder in trail[:link_at] if op == "fsync_dir"]
     assert synced_before.count(attempt_dir) == 1, trail  # once for five files
+    files_before = [path for op, path in trail[:link_at] if op == "fsync_file"]
+    assert sorted(files_before) == [f"{attempt_dir}/part{i}.jsonl" for i in range(5)], trail
     for folder in (store.root / UNIT / ".attempts", store.root / UNIT, store.root / "exp/epochs/00000/rollout"):
         assert str(folder) in synced_before, f"{folder} (a new folder's parent) not synced before the marker: {trail}"
     assert ("fsync_dir", str(store.root / UNIT)) in trail[link_at:]  # the marker's own entry
-    assert local._DEFERRED == set()
+    assert local._DEFERRED == set() and local._DEFERRED_FILES == set()
 
 
 def test_a_marker_never_waits_on_folders_another_process_created_and_never_synced(tmp_path, monkeypatch, synced):
@@ -88,7 +94,7 @@ def test_a_discarded_attempt_does_not_break_the_next_commit(tmp_path):
     assert writer.commit({})[1]
 
 
-def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp_path, synced):
+def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp_path, synced, monkeypatch):
     """A Ray Train worker writes its files into the attempt; the driver, another process, writes the
     marker. The worker cannot leave its folders' fsyncs for a marker it never writes."""
     import torch
@@ -97,6 +103,9 @@ def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp
     from verl_tasks.models.tiny import build_tokenizer
     from verl_tasks.train.worker import save_outputs
 
+    files: list[Path] = []
+    real = local._fsync_file
+    monkeypatch.setattr(local, "_fsync_file", lambda path: (files.append(Path(path)), real(path))[1])
     store = open_store(f"file://{tmp_path}/store")
     tokenizer = build_tokenizer()
     core = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=8, n_layer=1, n_head=1, n_positions=16))
@@ -106,7 +115,8 @@ def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp
     attempt = store.root / UNIT / ".attempts" / writer.attempt
     assert {"model.safetensors", "optimizer.safetensors"} <= {p.name for p in attempt.iterdir()}
     assert attempt in synced and attempt.parent in synced, synced
-    assert local._DEFERRED == set()
+    assert {p for p in attempt.iterdir()} <= set(files), files  # the data too, not only the names
+    assert local._DEFERRED == set() and local._DEFERRED_FILES == set()
 
 
 def test_an_attempt_creates_a_store_root_whose_parents_do_not_exist_yet(tmp_path):
