@@ -125,3 +125,47 @@ def test_an_attempt_creates_a_store_root_whose_parents_do_not_exist_yet(tmp_path
     writer.write_bytes("samples.jsonl", b"{}\n")
     record, won = writer.commit({})
     assert won and read_marker(store, UNIT).attempt == record.attempt
+
+
+COMMIT_TWO_UNITS = """
+import sys
+from verl_tasks.store import open_store
+from verl_tasks.store.units import UnitWriter
+store = open_store(sys.argv[1])
+for unit in ("exp/epochs/00000/plan", "exp/epochs/00001/plan"):
+    writer = UnitWriter(store, unit)
+    writer.write_bytes("a.json", b"{}")
+    writer.write_bytes("b.json", b"{}")
+    assert writer.commit({})[1]
+"""
+
+
+def test_a_process_that_committed_exits_without_waiting_for_the_fsync_threads(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", COMMIT_TWO_UNITS, f"file://{tmp_path}/store"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+
+
+def test_a_child_forked_after_the_fsync_threads_started_commits_with_its_own(tmp_path):
+    import multiprocessing
+
+    store = open_store(f"file://{tmp_path}/store")
+    writer = UnitWriter(store, "exp/epochs/00000/plan")
+    writer.write_bytes("a.json", b"{}")
+    writer.write_bytes("b.json", b"{}")
+    assert writer.commit({})[1] and local._SYNCER, "the parent's fsync threads should exist"
+
+    def commit_in_child() -> None:
+        child = UnitWriter(store, "exp/epochs/00001/plan")
+        child.write_bytes("a.json", b"{}")
+        child.write_bytes("b.json", b"{}")
+        child.commit({})
+
+    proc = multiprocessing.get_context("fork").Process(target=commit_in_child)
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0, f"the forked child did not commit (exit code {proc.exitcode})"
+    assert read_marker(store, "exp/epochs/00001/plan") is not None

@@ -4,12 +4,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import queue
 import shutil
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from verl_tasks.errors import StoreError
 from verl_tasks.store.base import NotFound, ObjectStore, check_key
@@ -296,8 +296,7 @@ def sync_deferred() -> int:
     with _DEFERRED_LOCK:
         jobs = [(_fsync_file, path) for path in _DEFERRED_FILES] + [(_fsync_dir, folder) for folder in _DEFERRED]
         if len(jobs) > 1:
-            for future in [_syncer().submit(_fsync_present, fn, path) for fn, path in jobs]:
-                future.result()
+            _syncer().run(jobs)
         elif jobs:
             _fsync_present(*jobs[0])
         _DEFERRED_FILES.clear()
@@ -312,12 +311,41 @@ def _fsync_present(fsync, path: Path) -> None:
         pass
 
 
-_SYNCER: list[ThreadPoolExecutor] = []
+class _FsyncThreads:
+    """A few daemon threads that run a batch of fsyncs at once: a process ends without waiting for
+    them, and a child forked after they started gets its own (threads do not survive a fork)."""
+
+    def __init__(self, size: int) -> None:
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(size):
+            threading.Thread(target=self._work, name=f"verl-tasks-fsync-{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fsync, path, done = self._jobs.get()
+            try:
+                _fsync_present(fsync, path)
+                done.put(None)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller, which raises it
+                done.put(err)
+
+    def run(self, jobs: list[tuple[Callable[[Path], None], Path]]) -> None:
+        """Run every ``fsync(path)`` and return when all have; the first error is raised."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        for fsync, path in jobs:
+            self._jobs.put((fsync, path, done))
+        errors = [err for err in (done.get() for _ in jobs) if err is not None]
+        if errors:
+            raise errors[0]
 
 
-def _syncer() -> ThreadPoolExecutor:
-    if not _SYNCER:
-        _SYNCER.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="verl-tasks-fsync"))
+_SYNCER: list[_FsyncThreads] = []
+
+
+def _syncer() -> _FsyncThreads:
+    if not _SYNCER or _SYNCER[0].pid != os.getpid():
+        _SYNCER[:] = [_FsyncThreads(8)]
     return _SYNCER[0]
 
 
