@@ -139,6 +139,34 @@ def test_rollback_then_run_reproduces_the_same_weights_and_gc(copy, trained):
     assert util.started_count(store, layout) == started
 
 
+def test_a_rollback_that_died_before_repointing_latest_is_finished_by_a_rerun(tiny_config, tmp_path, monkeypatch):
+    """Every marker moved, ``latest.json`` not yet: the rerun finds no unit but must still repoint it."""
+    from verl_tasks.ops import rollback as ops
+    from tests.conftest import small_overrides, write_yaml
+    from tests.test_metrics import fabricate
+
+    cfg = tiny_config(epochs=3, **{"evaluate.every": 1})
+    fabricate(cfg, 3)
+    ctx = make_context(cfg)
+    yaml, uri = str(write_yaml(tmp_path, small_overrides(epochs=3, **{"evaluate.every": 1}))), cfg.storage.uri
+    real = ops.write_latest
+
+    def dies_once(*args, **kwargs):
+        monkeypatch.setattr(ops, "write_latest", real)
+        raise OSError("killed before repointing latest.json")
+
+    monkeypatch.setattr(ops, "write_latest", dies_once)
+    died = invoke("rollback", yaml, "--store", uri, "--to-epoch", "0", "--yes")
+    assert isinstance(died.exception, OSError)
+    assert json.loads(ctx.store.get(ctx.layout.latest))["version"] == 3
+    assert not ops.plan_rollback(ctx.store, ctx.layout, 0).units
+    done = invoke("rollback", yaml, "--store", uri, "--to-epoch", "0", "--yes")
+    assert done.exit_code == 0 and "nothing to invalidate" not in done.output, done.output
+    assert json.loads(ctx.store.get(ctx.layout.latest))["version"] == 1
+    again = invoke("rollback", yaml, "--store", uri, "--to-epoch", "0", "--yes")
+    assert again.exit_code == 0 and "nothing to invalidate" in again.output, again.output
+
+
 def test_rollback_refuses_bad_epochs(copy):
     for bad in ("-1", "7"):
         result = invoke("rollback", copy["yaml"], "--store", copy["uri"], "--to-epoch", bad, "--yes")

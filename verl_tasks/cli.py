@@ -343,7 +343,7 @@ def rollback(
         st, layout = store_for(cfg), Layout(cfg.experiment)
         plan = plan_rollback(st, layout, to_epoch)
         out.print(plan.describe(), markup=False, highlight=False)
-        if not plan.units:
+        if not plan.units and not plan.repoint:
             console.print("nothing to invalidate")
             return
         if not yes and not typer.confirm("invalidate these units?", default=False):

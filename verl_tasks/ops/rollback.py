@@ -19,7 +19,7 @@ from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.events import record_event
 from verl_tasks.layout import MAX_EPOCH, Layout
 from verl_tasks.store.base import ObjectStore
-from verl_tasks.store.conventions import forget_best_above, forget_retention, write_latest
+from verl_tasks.store.conventions import forget_best_above, forget_retention, latest_version, read_best, write_latest
 from verl_tasks.store.units import MARKER, PRUNED, is_pruned, read_marker
 
 log = logging.getLogger(__name__)
@@ -30,12 +30,17 @@ _SNAPSHOT_UNIT = re.compile(r"^snapshots/(\d{5})/")
 
 @dataclass
 class RollbackPlan:
-    """What a rollback to ``to_epoch`` invalidates (unit keys), and where ``latest.json`` will point."""
+    """What a rollback to ``to_epoch`` invalidates (unit keys), and where ``latest.json`` will point.
+
+    ``repoint``: ``latest.json`` or ``best.json`` still needs moving, also when no unit is left to
+    invalidate (a rollback that died after moving the markers), so a rerun finishes it.
+    """
 
     experiment: str
     to_epoch: int
     units: list[str] = field(default_factory=list)
     latest_version: int = 0
+    repoint: bool = False
 
     def describe(self) -> str:
         lines = [f"rollback of {self.experiment} to epoch {self.to_epoch}: {len(self.units)} unit(s) invalidated, "
@@ -60,7 +65,10 @@ def plan_rollback(store: ObjectStore, layout: Layout, to_epoch: int) -> Rollback
     if is_pruned(store, keep):
         raise StoreError(f"snapshot {to_epoch + 1} was pruned by retention (storage.keep_snapshots); "
                          f"its weights are gone, so training cannot continue from it")
-    plan = RollbackPlan(layout.experiment, to_epoch, latest_version=to_epoch + 1)
+    best = read_best(store, layout)
+    plan = RollbackPlan(layout.experiment, to_epoch, latest_version=to_epoch + 1,
+                        repoint=latest_version(store, layout) != to_epoch + 1
+                        or (best is not None and int(best["version"]) > to_epoch + 1))
     prefix = layout.root + "/"
     for key in store.list(layout.root + "/epochs/") + store.list(layout.snapshots + "/"):
         if not key.endswith("/" + MARKER):
