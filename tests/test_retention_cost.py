@@ -8,11 +8,13 @@ window and ``keep_best_by`` do not protect pruned.
 """
 from __future__ import annotations
 
+import pytest
+
 from verl_tasks.ops.rollback import apply_rollback, plan_rollback
-from verl_tasks.phases.snapshot import apply_retention, prune
+from verl_tasks.phases.snapshot import apply_retention, prune, retain_after_evaluate, snapshot
 from verl_tasks.runner import make_context
-from verl_tasks.store.conventions import read_retention
-from verl_tasks.store.units import is_pruned
+from verl_tasks.store.conventions import read_best, read_retention
+from verl_tasks.store.units import MARKER, UnitWriter, is_pruned
 from tests.test_metrics import fabricate
 
 
@@ -86,3 +88,58 @@ def test_rolled_back_versions_are_pruned_again_once_recommitted(tiny_config):
     fabricate(cfg, 6)  # the rerun commits epochs 1-5 again, snapshots with their weights
     assert pruned_versions(ctx, 6) == []
     assert apply_retention(ctx, 6) == [2, 3, 4, 5]
+
+
+def test_a_version_awaiting_its_evaluation_is_kept_without_keep_best_by(tiny_config):
+    """In Airflow evaluate is a side branch: a later snapshot's pass may come first. Pruning then
+    would fail that evaluate with SnapshotPruned on every retry."""
+    cfg = tiny_config(epochs=3, **{"storage.keep_snapshots": 1, "evaluate.every": 1})
+    fabricate(cfg, 3)
+    ctx = make_context(cfg)
+    marker = f"{ctx.layout.evaluate(0)}/{MARKER}"
+    body = ctx.store.get(marker)
+    ctx.store.delete(marker)  # evaluate(0) has not committed yet
+    assert apply_retention(ctx, 3) == [2]
+    assert not is_pruned(ctx.store, ctx.layout.snapshot(1)) and not is_pruned(ctx.store, ctx.layout.update(0))
+    assert read_retention(ctx.store, ctx.layout) == (2, {1})
+    ctx.store.put(marker, body)  # it commits
+    assert retain_after_evaluate(ctx) == [1]
+    assert pruned_versions(ctx, 3) == [1, 2] and read_retention(ctx.store, ctx.layout) == (2, set())
+
+
+def test_a_rerun_of_an_old_snapshot_leaves_best_at_the_newest_version(tiny_config):
+    """Snapshot 3 rerun (a Clear) after the run ended: its pass must rank every unsettled version, not those up to 3."""
+    cfg = tiny_config(epochs=4, **{"storage.keep_snapshots": 2, "storage.keep_best_by": "eval_accuracy",
+                                   "evaluate.every": 1})
+    fabricate(cfg, 4)
+    ctx = make_context(cfg)
+    ctx.store.delete(f"{ctx.layout.evaluate(3)}/{MARKER}")
+    writer = UnitWriter(ctx.store, ctx.layout.evaluate(3))
+    writer.write_bytes("data.json", b"{}")
+    writer.commit({"metrics": {"eval_accuracy": 0.9}})  # the newest version is the best
+    assert apply_retention(ctx, 4) == [1, 2]
+    best = read_best(ctx.store, ctx.layout)
+    assert best["version"] == 4
+    snapshot(ctx, 2)
+    assert read_best(ctx.store, ctx.layout) == best and pruned_versions(ctx, 4) == [1, 2]
+
+
+def test_a_pass_killed_after_the_pruned_flag_deletes_the_weights_on_the_next(tiny_config, monkeypatch):
+    cfg = tiny_config(epochs=3, **{"storage.keep_snapshots": 1, "evaluate.every": 0})
+    fabricate(cfg, 3)
+    ctx = make_context(cfg)
+    cls = type(ctx.store)
+    delete = cls.delete
+
+    def dies_once(self, key):
+        monkeypatch.setattr(cls, "delete", delete)
+        raise OSError(f"killed before deleting {key}")
+
+    monkeypatch.setattr(cls, "delete", dies_once)
+    with pytest.raises(OSError):
+        apply_retention(ctx, 3)
+    assert is_pruned(ctx.store, ctx.layout.snapshot(1))  # flagged, weights still there
+    assert apply_retention(ctx, 3) == [2]
+    for unit in [ctx.layout.snapshot(v) for v in (1, 2)] + [ctx.layout.update(e) for e in (0, 1)]:
+        assert not [k for k in ctx.store.list(unit + "/") if k.endswith(".safetensors")], unit
+    assert [k for k in ctx.store.list(ctx.layout.snapshot(3) + "/") if k.endswith(".safetensors")]

@@ -68,6 +68,5 @@ def evaluate(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """
     evaluate_base(ctx)
     record = evaluate_version(ctx, epoch + 1, ctx.layout.evaluate(epoch), epoch)
-    if ctx.config.storage.keep_best_by:
-        retain_after_evaluate(ctx)
+    retain_after_evaluate(ctx)  # the version just evaluated (or an older best) may go now
     return record

@@ -6,8 +6,9 @@ schedule state, seeds, metrics, config hash) so training resumes from it exactly
 
 Retention keeps the base, the newest ``storage.keep_snapshots`` versions and, with
 ``storage.keep_best_by``, the best evaluated version (``best.json``). Evaluate runs
-after the snapshot, so a version whose evaluation is still pending is never pruned
-while it could become the best; ``evaluate`` applies retention again once it commits.
+after the snapshot (in Airflow on a side branch), so a version whose evaluation is
+still pending is never pruned: its evaluate loads it, and it could become the best.
+The watermark keeps it unsettled, so a later pass prunes it once that evaluation commits.
 """
 from __future__ import annotations
 
@@ -34,19 +35,23 @@ log = logging.getLogger(__name__)
 
 
 def prune(ctx: PhaseContext, unit: str, reason: str) -> bool:
-    """Delete a committed unit's weight files, keep its marker and small JSON files.
+    """Delete a committed unit's weight files, keep its marker and small JSON files; True when this
+    call flagged it.
 
     The ``_PRUNED`` flag records ``keep_snapshots`` so a later reader can say why the weights are gone.
+    It is written first, so the deletes run also when it exists: a pass killed between them left weights.
     """
     record = read_marker(ctx.store, unit)
-    if record is None or is_pruned(ctx.store, unit):
+    if record is None:
         return False
-    flag = {"reason": reason, "attempt": record.attempt, "keep_snapshots": ctx.config.storage.keep_snapshots}
-    ctx.store.put(f"{unit}/{PRUNED}", json.dumps(flag).encode())
+    flagged = is_pruned(ctx.store, unit)
+    if not flagged:
+        flag = {"reason": reason, "attempt": record.attempt, "keep_snapshots": ctx.config.storage.keep_snapshots}
+        ctx.store.put(f"{unit}/{PRUNED}", json.dumps(flag).encode())
     for name in record.files:
         if name not in KEEP_WHEN_PRUNED and not name.endswith(".json"):
             ctx.store.delete(record.key(name))
-    return True
+    return not flagged
 
 
 def evaluations(ctx: PhaseContext, versions: list[int]) -> tuple[dict[int, float], set[int]]:
@@ -66,12 +71,14 @@ def evaluations(ctx: PhaseContext, versions: list[int]) -> tuple[dict[int, float
     return values, pending
 
 
-def keep_best(ctx: PhaseContext, versions: list[int]) -> set[int]:
-    """Versions retention must keep for ``storage.keep_best_by``: the best evaluated one (``best.json``
-    points at it) and every pending one that could still beat it. Ties go to the older version."""
+def keep_best(ctx: PhaseContext, versions: list[int], horizon: int) -> set[int]:
+    """Versions retention must keep beyond the window: every pending one (its evaluate loads it, and
+    it could still become the best) and, with ``storage.keep_best_by``, the best evaluated one
+    (``best.json`` points at it). Ties go to the older version. Without a metric only the versions up
+    to ``horizon`` that expect an evaluation are read: the others are kept or need nothing."""
     metric = ctx.config.storage.keep_best_by
     if metric is None:
-        return set()
+        return evaluations(ctx, [v for v in versions if v <= horizon and ctx.config.should_evaluate(v - 1)])[1]
     values, pending = evaluations(ctx, versions)
     if not values:
         return pending
@@ -93,7 +100,7 @@ def apply_retention(ctx: PhaseContext, newest: int) -> list[int]:
     through, kept = read_retention(store, layout)
     horizon = newest - keep
     unsettled = sorted(kept | set(range(through + 1, newest + 1)))
-    protected = keep_best(ctx, unsettled)
+    protected = keep_best(ctx, unsettled, horizon)
     still_kept = {v for v in kept if v > horizon}
     pruned = []
     for version in (v for v in unsettled if v <= horizon):
@@ -150,5 +157,7 @@ def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
 
     record = run_unit(ctx, "snapshot", ctx.layout.snapshot(version), epoch, produce)
     write_latest(ctx.store, ctx.layout, version, record)
-    apply_retention(ctx, version)
+    # A rerun of an old epoch's snapshot must not pass its own version: the pass would rank only the
+    # versions up to it and could point best.json at a worse one.
+    apply_retention(ctx, max(version, latest_version(ctx.store, ctx.layout) or 0))
     return record
