@@ -65,6 +65,21 @@ def test_a_quarantined_data_unit_names_the_task_to_rerun(tiny_config):
     assert "epoch-0 plan task" in str(err.value)
 
 
+def test_status_warns_of_quarantined_data_and_base_evaluate_units(tiny_config):
+    from verl_tasks.runner import status
+    from verl_tasks.store.units import UnitWriter
+
+    ctx = make_context(tiny_config(**FAST))
+    for unit in (ctx.layout.data("train"), ctx.layout.base_evaluate):
+        writer = UnitWriter(ctx.store, unit)
+        writer.write_bytes("data.json", b"{}")
+        writer.commit()
+        quarantine(ctx.store, unit, "config changed before any rollout: seed")
+    st = status(ctx.config, ctx.store)
+    assert sorted(q["unit"] for q in st["quarantined"]) == [ctx.layout.base_evaluate, ctx.layout.data("train")]
+    assert len(st["warnings"]) == 2
+
+
 def test_non_utf8_jsonl_names_the_line_and_the_fix(tiny_config, tmp_path):
     data = tmp_path / "prompts.jsonl"
     good = json.dumps({"prompt": "1+1=", "ground_truth": "2"})

@@ -137,6 +137,21 @@ def test_gc_keeps_a_young_attempt_with_an_old_id_and_a_live_unit(store):
     assert collect(store, layout, 0, dry_run=True, now=idle, timeouts={"update": 9999}).attempts == []
 
 
+def test_gc_keeps_a_base_evaluate_attempt_while_its_quarantine_record_is_young(store):
+    """A re-pin quarantines ``base/evaluate``; its set-aside attempt stays as long as the record does."""
+    layout = Layout("exp")
+    old = UnitWriter(store, layout.base_evaluate, attempt="20200101T000000-0123456789")
+    old.write_bytes("metrics.json", b"{}")
+    old.commit()
+    quarantine(store, layout.base_evaluate, "config changed before any rollout: seed")
+    again = UnitWriter(store, layout.base_evaluate)
+    again.write_bytes("metrics.json", b"{}")
+    again.commit()  # recomputed: the set-aside attempt is now a loser, older than the horizon
+    report = collect(store, layout, older_than_s=3600)
+    assert report.attempts == [] and report.kept_recent == 1
+    assert store.list(f"{layout.base_evaluate}/.attempts/{old.attempt}/")
+
+
 def test_commit_refuses_when_a_listed_file_is_gone(store):
     writer = UnitWriter(store, UNIT)
     writer.write_bytes("a", b"one")
@@ -270,6 +285,25 @@ def test_s3_access_denied_is_one_line_naming_the_fix(moto_endpoint, s3_bucket, m
         assert "\n" not in message and "S3 refused access" in message
         assert "InvalidAccessKeyId" in message or "403" in message
         assert f"bucket {s3_bucket}" in message and "storage.aws_conn_id" in message
+
+
+def test_s3_delete_prefix_raises_on_keys_it_could_not_delete(moto_endpoint, s3_bucket):
+    """``delete_objects`` reports per-key failures in its answer instead of raising: gc must not count them."""
+    store = open_store(f"s3://{s3_bucket}/prefix", endpoint_url=moto_endpoint)
+    for name in ("a", "b"):
+        store.put(f"exp/x/.attempts/1/{name}", b"x")
+    real = store.client.delete_objects
+
+    def refuses_the_first(*, Bucket, Delete):
+        first, *rest = Delete["Objects"]
+        real(Bucket=Bucket, Delete={**Delete, "Objects": rest})
+        return {"Errors": [{"Key": first["Key"], "Code": "AccessDenied", "Message": "Access Denied"}]}
+
+    store.client.delete_objects = refuses_the_first
+    with pytest.raises(StoreError) as err:
+        store.delete_prefix("exp/x/")
+    assert "exp/x/.attempts/1/a (AccessDenied)" in str(err.value)
+    assert store.list("exp/x/") == ["exp/x/.attempts/1/a"]
 
 
 def test_gc_removes_fence_records_past_the_horizon_only(store):

@@ -2,8 +2,9 @@
 
 This module imports neither torch nor Airflow, so a status answers in well under
 a second. It reads the store with one listing per prefix (the epochs, the
-snapshots) and one marker per committed update and evaluation, read a few at a
-time so that an S3 store does not pay one round trip after another.
+snapshots, and data/ and base/ for their quarantine records) and one marker per
+committed update and evaluation, read a few at a time so that an S3 store does
+not pay one round trip after another.
 """
 from __future__ import annotations
 
@@ -105,7 +106,9 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         row["metrics"].update({k: update[k] for k in UPDATE_METRICS if k in update})
         row["metrics"].update({k: v for k, v in metrics.get(layout.evaluate(row["epoch"]), {}).items()
                                if k.startswith("eval_")})
-    quarantined = quarantine_records(store, keys)
+    # A re-pin quarantines the data and base/evaluate units too.
+    prelude = set(store.list(layout.root + "/data/")) | set(store.list(layout.root + "/base/"))
+    quarantined = quarantine_records(store, keys | prelude)
     return {
         "experiment": config.experiment,
         "quarantined": quarantined,

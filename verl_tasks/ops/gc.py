@@ -83,7 +83,8 @@ def collect(store: ObjectStore, layout: Layout, older_than_s: float, dry_run: bo
             report.tombstones.append(prefix + "/")
         else:
             protected.update(f"{unit}/{ATTEMPTS}/{att}/" for unit, att in entry["attempts"].items())
-    keys = store.list(layout.root + "/epochs/") + store.list(layout.snapshots + "/") + store.list(layout.root + "/data/")
+    # Every folder that holds units: a re-pin quarantines data/ and base/evaluate too.
+    keys = [key for folder in ("epochs", "snapshots", "data", "base") for key in store.list(f"{layout.root}/{folder}/")]
     for record in quarantine_records(store, keys):
         if (record["created"] or now) <= cutoff:
             report.quarantine_records.append(record["record"])

@@ -205,10 +205,20 @@ class S3Store(ObjectStore):
 
     @_explained
     def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``, 1000 per request; returns how many.
+
+        Raises:
+            StoreError: S3 answered the request but could not delete some keys (it reports them, not raises).
+        """
         keys = self.list(prefix)
         for start in range(0, len(keys), 1000):
             chunk = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
+            resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
+            failed = resp.get("Errors", [])
+            if failed:
+                named = ", ".join(f"{self._strip(e.get('Key', ''))} ({e.get('Code')})" for e in failed[:3])
+                raise StoreError(f"could not delete {len(failed)} object(s) under {self.url(prefix)}: {named}"
+                                 + (", ..." if len(failed) > 3 else ""))
         return len(keys)
 
     @_explained
