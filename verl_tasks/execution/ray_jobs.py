@@ -47,6 +47,7 @@ UNIT_META = "verl_tasks_unit"
 DUPLICATE_ID = "Please use a different submission_id"
 MAX_ATTEMPTS = 1000
 OVERDUE_S = 30.0  # grace past a unit's timeout before a live job of it counts as hung
+STOP_RETRY_S = 20.0  # how long a stop retries a failing dashboard: within the 30 s Airflow gives on_kill
 RETRY_ENV = "VERL_TASKS_RAY_RETRY_S"
 DEFAULT_RETRY_S = 120.0
 _HTTP_STATUS = re.compile(r"status code (\d{3})")
@@ -74,9 +75,15 @@ def _status_code(err: BaseException) -> int | None:
 
 
 def is_transient(err: BaseException) -> bool:
-    """A blip of the dashboard (refused, reset, timed out, HTTP 5xx), in ``err`` or any of its causes."""
+    """A blip of the dashboard (refused, reset, timed out, HTTP 5xx), in ``err`` or any of its causes.
+
+    A duplicate submission id never is: the head wraps the agent's HTTP 400 for it in an HTTP 500
+    whose text carries the 400, and :meth:`RayJobBackend.submit` must see it at once to attach.
+    """
     seen: BaseException | None = err
     while seen is not None:
+        if DUPLICATE_ID in str(seen):
+            return False
         if isinstance(seen, _transient_types()) or (_status_code(seen) or 0) >= 500:
             return True
         seen = seen.__cause__ or seen.__context__
@@ -298,7 +305,7 @@ class RayJobBackend:
             # Its unit is past its timeout (the driver should have ended it): never attach to a hung attempt.
             log.warning("Ray job %s of unit %s is past its %gs timeout; stopping it and starting a new attempt",
                         live[-1].submission_id, spec.label, timeout_s)
-            self.stop(live[-1].submission_id)
+            self.stop(live[-1].submission_id)  # raises while the dashboard fails: never two live jobs
             live = []
         if live:
             log.info("attaching to live Ray job %s (%s) of unit %s", live[-1].submission_id, live[-1].status, spec.label)
@@ -337,14 +344,16 @@ class RayJobBackend:
         """
         self._retry(f"submit {job_id}", lambda: self.client.submit_job(submission_id=job_id, **kwargs))
 
-    def _retry(self, what: str, call: Any) -> Any:
-        """``call()``, retried with backoff while it fails transiently, for at most ``retry_s``.
+    def _retry(self, what: str, call: Any, budget_s: float | None = None) -> Any:
+        """``call()``, retried with backoff while it fails transiently, for at most ``retry_s``
+        (or ``budget_s``: a stop retries within its own budget, also where polls are retried by the caller).
 
         Raises:
-            RayUnavailable: still failing transiently after ``retry_s`` (names the address and last error).
+            RayUnavailable: still failing transiently after the budget (names the address and last error).
             Exception: a non-transient error of ``call``, unchanged.
         """
-        backoff = Backoff(self.retry_s)
+        retry_s = self.retry_s if budget_s is None else budget_s
+        backoff = Backoff(retry_s)
         while True:
             try:
                 return call()
@@ -352,11 +361,11 @@ class RayJobBackend:
                 if not is_transient(err):
                     raise
                 delay = backoff.next_delay()
-                if delay is None and not self.retry_s:
+                if delay is None and not retry_s:
                     raise  # the caller retries (the trigger, with asyncio.sleep)
                 if delay is None:
                     raise RayUnavailable(f"Ray dashboard at {self.target.address}: {what} still failing after "
-                                         f"{self.retry_s:g}s of retries ({RETRY_ENV}); last error: {err}") from err
+                                         f"{retry_s:g}s of retries ({RETRY_ENV}); last error: {err}") from err
                 log.warning("Ray dashboard at %s: %s failed transiently (%s); retry %d in %.1fs",
                             self.target.address, what, err, backoff.failures, delay)
                 time.sleep(delay)
@@ -370,9 +379,14 @@ class RayJobBackend:
         return self._retry(f"logs of {job_id}", lambda: self.client.get_job_logs(job_id))
 
     def stop(self, job_id: str) -> bool:
-        """Ask Ray to stop a job; True if it was live."""
+        """Ask Ray to stop a job, retrying a dashboard that fails transiently for up to ``STOP_RETRY_S``
+        (an ``on_kill`` has ~30 s); True if it was live, False if Ray refused (no such job).
+
+        Raises:
+            RayUnavailable: the dashboard kept failing; the job may still be running.
+        """
         try:
-            return bool(self.client.stop_job(job_id))
+            return bool(self._retry(f"stop {job_id}", lambda: self.client.stop_job(job_id), STOP_RETRY_S))
         except RuntimeError as err:
             log.warning("could not stop Ray job %s: %s", job_id, err)
             return False
