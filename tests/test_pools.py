@@ -168,6 +168,42 @@ def test_a_cancelled_unit_stops_at_once_and_never_commits(gpu_head, tiny_config,
     assert read_marker(ctx.store, unit).attempt == record.attempt
 
 
+def test_cancelling_a_unit_queued_behind_another_leaves_that_one_running(gpu_head, tiny_config, tmp_path):
+    """One actor, two batches: batch 1 waits in the actor's queue while batch 0 runs. Clearing batch 1
+    fences it and leaves batch 0 alone (same process, commits); batch 1 never starts its work."""
+    import ray
+
+    from verl_tasks.events import read_events
+    from verl_tasks.execution import pools
+    from verl_tasks.store.units import fence_record, new_attempt_id
+
+    plan = gpu_head["plan"]
+    ctx = _planned(tiny_config, f"file://{tmp_path}/store", **{"resources.rollout.workers": 1})
+    name = ctx.config.experiment
+    held = hold(plan, name, 0, 0)
+    running_ref, actor = pools.submit(ctx.config, UnitSpec(name, "rollout", 0, 0), new_attempt_id())
+    queued_spec, queued = UnitSpec(name, "rollout", 0, 1), new_attempt_id()
+    try:
+        pid = int(wait_until("batch 0 to be in its middle", lambda: held.exists() and held.read_text()))
+        queued_ref, behind = pools.submit(ctx.config, queued_spec, queued)
+        assert behind._actor_id == actor._actor_id, "batch 1 went to another actor: nothing is queued"
+        pools.cancel_unit(ctx.config, queued_spec, queued, behind, "cleared in the UI", queued_ref)
+    finally:
+        release(plan, name, 0, 0)
+    result = ray.get(running_ref, timeout=240)
+    assert result["ok"] and result["placement"]["pid"] == pid, result
+    assert read_marker(ctx.store, Layout(name).rollout(0, 0)) is not None
+    try:  # Ray dropped it from the queue, or it reached the actor and refused to start
+        refused = ray.get(queued_ref, timeout=240)
+        assert not refused["ok"] and refused["error"]["type"] == "AttemptFenced", refused
+    except ray.exceptions.TaskCancelledError:
+        pass
+    unit = Layout(name).rollout(0, 1)
+    assert read_marker(ctx.store, unit) is None and fence_record(ctx.store, unit, queued) is not None
+    started = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "started" and e.get("attempt") == queued]
+    assert started == [], started
+
+
 def test_backend_ray_gives_the_inline_weights(tmp_path):
     """``verl-tasks run --backend ray`` (own local head, started and stopped) = the inline run, byte for byte."""
     import json

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.errors import PhaseFailed
+from verl_tasks.errors import PhaseFailed, UnitTimeout
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.ray_jobs import RayUnavailable
 
@@ -45,12 +45,12 @@ def gcs_address(configured: str | None = None) -> str:
 
 @dataclass
 class Running:
-    """What a cancellation needs: the unit, its attempt and the actor it was last sent to."""
+    """What a cancellation needs: the unit, its attempt and where it was sent: (actor, call ref) of each send."""
 
     config: ExperimentConfig
     spec: UnitSpec
     attempt: str
-    actors: list[Any] = field(default_factory=list)
+    sent: list[tuple[Any, Any]] = field(default_factory=list)
     done: bool = False
     cancelled: str | None = None  # why, once cancelled
 
@@ -78,14 +78,17 @@ def run(running: Running, address: str) -> Outcome:
     connected = time.time()
     submitted: list[float] = []
 
-    def sent(actor: Any) -> None:
+    def sent(actor: Any, ref: Any) -> None:
         submitted.append(time.time())
-        running.actors.append(actor)
+        running.sent.append((actor, ref))
 
     timeout_s = running.config.fault_tolerance.timeout_s.get(running.spec.phase)
     try:
         result = pools.run_unit(running.config, running.spec, running.attempt, timeout_s, on_submit=sent,
                                 cancelled=lambda: running.cancelled is not None)
+    except UnitTimeout:
+        running.done = True  # the pool enforced the timeout: fenced and killed already
+        raise
     except BaseException as err:
         if running.cancelled is not None:
             raise PhaseFailed(running.spec.label, f"attempt {running.attempt} cancelled: {running.cancelled}") from err
@@ -110,16 +113,16 @@ def split(began: float, connected: float, submitted: float, result: dict[str, An
 
 
 def cancel(running: Running, reason: str) -> None:
-    """Kill the actor the attempt was sent to (if any yet) and fence the attempt; a no-op once the unit returned."""
+    """Fence the attempt and stop it where it was sent (:func:`pools.cancel_unit`); a no-op once the unit returned."""
     if running.done:
         return
     from verl_tasks.execution import pools
 
     running.done = True
     running.cancelled = reason
+    actor, ref = running.sent[-1] if running.sent else (None, None)
     try:
-        pools.cancel_unit(running.config, running.spec, running.attempt,
-                          running.actors[-1] if running.actors else None, reason)
+        pools.cancel_unit(running.config, running.spec, running.attempt, actor, reason, ref)
     except Exception:  # noqa: BLE001 - cancelling is best effort; the fence is what guarantees no commit
         log.exception("cancelling %s (attempt %s) failed", running.spec.label, running.attempt)
 

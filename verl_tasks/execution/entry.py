@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import time
+from typing import Any
 
 from verl_tasks.config import parse_config
 from verl_tasks.phase_registry import PHASE_NAMES
@@ -76,24 +77,26 @@ def _run_on_pool(config, spec: UnitSpec) -> dict:
 
     Ray stops a job with SIGTERM to this driver (Airflow's clear, mark-failed, timeout and
     ``on_kill`` all end in ``stop_job``): the handler fences the attempt, so it can never
-    commit, and kills the actor running it, so its slot is free again at once.
+    commit, and kills the actor if it is running it, so its slot is free again at once (a call
+    still queued behind another unit is taken out of the queue instead).
     """
     from verl_tasks.execution import pools
     from verl_tasks.store.units import new_attempt_id
 
     pools.ensure_connected()
     attempt = new_attempt_id()
-    running: list = []
+    sent: list[tuple[Any, Any]] = []  # (actor, ref) of each send
 
     def cancel(signum: int, _frame: object) -> None:
         # Fenced even before an actor is known: the unit may be on its way to one.
-        pools.cancel_unit(config, spec, attempt, running[-1] if running else None, f"job stopped (signal {signum})")
+        actor, ref = sent[-1] if sent else (None, None)
+        pools.cancel_unit(config, spec, attempt, actor, f"job stopped (signal {signum})", ref)
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, cancel)
     signal.signal(signal.SIGINT, cancel)
     timeout_s = config.fault_tolerance.timeout_s.get(spec.phase)
-    return pools.run_unit(config, spec, attempt, timeout_s, on_submit=running.append)
+    return pools.run_unit(config, spec, attempt, timeout_s, on_submit=lambda actor, ref: sent.append((actor, ref)))
 
 
 def _report(result: dict) -> int:

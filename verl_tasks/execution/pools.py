@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 STATE_WAIT_S = 0.2
 STATE_POLL_S = 0.5
 WAIT_SLICE_S = 0.2
+# How long a cancel waits for an actor to say which attempt it runs: a stopping job has ~3 s
+# between Ray's SIGTERM and its SIGKILL for this, the kill and the fence.
+CANCEL_STATE_WAIT_S = 1.0
 ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 # How long a unit keeps being sent again to an actor Ray is restarting: a restart is a new worker
 # process importing torch (and, on a GPU pool, building an engine): seconds on a busy 2-core machine,
@@ -276,7 +279,7 @@ def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = 
 
 
 def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, timeout_s: float | None,
-             on_submit: Callable[[Any], None] | None = None,
+             on_submit: Callable[[Any, Any], None] | None = None,
              cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Submit and wait; a call that reached an actor while Ray restarted it is sent again, for up to
     ``RESEND_WINDOW_S`` after the first refusal.
@@ -286,13 +289,14 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
     same bytes. It goes to the same actor, which runs one unit at a time: were the first
     call still running there (the actor was unreachable, not restarted), the second would
     start after it, never beside it in the same attempt's folder. Not when ``cancelled()``
-    says the caller killed that actor itself. ``on_submit`` hears the actor (to cancel it there).
+    says the caller killed that actor itself. ``on_submit`` hears the actor and the call's ref at
+    each send (to cancel it there: :func:`cancel_unit`).
     """
     first_refused: float | None = None
     resend = 0
     ref, actor = submit(config, spec, attempt)
     if on_submit:
-        on_submit(actor)
+        on_submit(actor, ref)
     while True:
         try:
             return wait(config, spec, attempt, ref, actor, timeout_s)
@@ -304,6 +308,8 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
             log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label, resend)
             time.sleep(min(2.0, STATE_POLL_S * resend))
             ref = send(actor, config, spec, attempt)
+            if on_submit:
+                on_submit(actor, ref)
 
 
 def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
@@ -409,24 +415,53 @@ def _cancel_overdue(config: ExperimentConfig, pending: dict[Any, tuple], timeout
             cancel_unit(config, spec, attempt, actor, f"timed out after {timeout_s:g} s")
 
 
-def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any | None, reason: str) -> str:
-    """Kill (and let Ray restart) the actor running the attempt, then fence the attempt so it can never commit.
+def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any | None, reason: str,
+                ref: Any | None = None) -> str:
+    """Stop the attempt: kill (and let Ray restart) its actor if it is running it, fence the attempt so it
+    can never commit, and take a call still queued (``ref``) out of the actor's queue.
 
-    The kill goes first: it is one quick call, while the fence is a store write (on S3, with
-    retries) that a stopping job's SIGKILL may cut short. With no actor known yet (the unit was
-    being sent) the fence alone stops it: a commit checks it first.
+    An actor runs one unit at a time and queues the rest, so the one an attempt was sent to may be
+    running another unit (another batch, another task's); that one is left alone. The kill goes
+    first when the attempt is running: it is one quick call, while the fence is a store write (on
+    S3, with retries) that a stopping job's SIGKILL may cut short. After the fence the actor is
+    asked again: an attempt that started meanwhile is killed too, and one that starts later finds
+    the fence and returns at once (``phases.common.run_unit``). With no actor known yet (the unit
+    was being sent) the fence alone stops it.
     """
     from verl_tasks.layout import Layout
     from verl_tasks.store import store_for
     from verl_tasks.store.units import fence_attempt
 
     unit = Layout(config.experiment).unit(spec.phase, spec.epoch, spec.batch)
-    if actor is not None:
-        ray.kill(actor, no_restart=False)
+    killed = actor is not None and _kill_if_running(actor, attempt)
+    if not killed and ref is not None:
+        ray.cancel(ref)  # queued behind another unit: dropped from the queue; running: only flagged
     if attempt:
         fence_attempt(store_for(config), unit, attempt, reason)
-    log.warning("cancelled %s (attempt %s): %s", unit, attempt, reason)
+        if actor is not None and not killed:
+            killed = _kill_if_running(actor, attempt)
+    log.warning("cancelled %s (attempt %s%s): %s", unit, attempt, ", its actor killed" if killed else "", reason)
     return unit
+
+
+def _kill_if_running(actor: Any, attempt: str | None) -> bool:
+    """Kill ``actor`` unless it answers that it runs another unit or none, or is gone (restarting).
+
+    An actor that does not answer within ``CANCEL_STATE_WAIT_S`` is wedged (a unit holding the GIL
+    in C code starves its control thread): only a kill frees it, whatever it runs; a unit of
+    another caller killed with it is sent again (``run_unit``). No attempt id: killed.
+    """
+    if attempt is not None:
+        try:
+            busy = ray.get(actor.state.remote(), timeout=CANCEL_STATE_WAIT_S)["busy"]
+            if not busy or busy.get("attempt") != attempt:
+                return False
+        except ACTOR_GONE:
+            return False
+        except ray.exceptions.GetTimeoutError:
+            pass
+    ray.kill(actor, no_restart=False)
+    return True
 
 
 __all__ = ["PoolShape", "PoolWorker", "dispatch", "release_experiment", "submit", "wait", "run_unit", "run_on_pools", "cancel_unit", "pool_kind", "start_cpu_pools", "code_fingerprint", "ensure_connected",
