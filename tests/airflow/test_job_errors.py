@@ -163,3 +163,23 @@ def test_job_logs_shown_in_airflow_carry_no_config_blob():
     line = "Running entrypoint for job vt-x-e0-plan-a1: python -m verl_tasks.execution.entry --config-b64 " + "eyJ" * 200 + " --phase plan"
     assert redact_config(line).endswith("--config-b64 <config, 600 chars> --phase plan")
     assert "eyJeyJ" not in log_tail("first\n" + line)
+
+
+def test_a_deferral_past_its_timeout_stops_the_units_live_ray_job(tmp_path, monkeypatch):
+    """Airflow resumes a timed-out deferral with ``__fail__`` and calls no on_kill: the operator stops the
+    unit's live job itself (its driver then fences the attempt), and the task still fails as a timeout."""
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+    from airflow.sdk.bases.operator import TriggerFailureReason
+    from verl_tasks.execution.ray_jobs import JobHandle
+
+    monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
+    stopped: list[str] = []
+    jobs = [JobHandle("vt-inl-e2-rollout-b1-a1", "FAILED", 1, False),
+            JobHandle("vt-inl-e2-rollout-b1-a2", "RUNNING", 2, False)]
+    op = _op("rollout")
+    op.__dict__["ray"] = SimpleNamespace(unit_jobs=lambda spec: jobs, stop=lambda job_id: stopped.append(job_id))
+    context = {"params": {"experiment": "inl"},
+               "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
+    with pytest.raises(TaskDeferralTimeout):
+        op.resume_execution("__fail__", {"error": TriggerFailureReason.TRIGGER_TIMEOUT}, context)
+    assert stopped == ["vt-inl-e2-rollout-b1-a2"]

@@ -52,6 +52,7 @@ from verl_tasks.layout import Layout
 log = logging.getLogger(__name__)
 BACKENDS = ("ray", "ray-driver", "inline")
 _EPOCH_TASK = re.compile(r"^epoch_(\d+)\.")
+TRIGGER_FAIL = "__fail__"  # the next_method Airflow resumes a failed or timed-out deferral with
 
 
 def default_backend() -> str:
@@ -336,6 +337,26 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         line = {"task_id": self.task_id, "map_index": getattr(ti, "map_index", -1), "unit": unit,
                 "backend": self.backend, **{k: round(v, 4) for k, v in timing.items()}}
         self.log.info("verl-tasks timing %s", json.dumps(line))
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Any) -> Any:
+        """A deferral past ``execution_timeout`` comes back as ``__fail__``, and Airflow calls no
+        ``on_kill`` for it: stop the unit's live Ray jobs first (their drivers fence the attempt), so a
+        timed-out attempt neither runs on holding its resources nor commits later."""
+        if next_method == TRIGGER_FAIL and self.backend == "ray":
+            self._stop_live_jobs(context)
+        return super().resume_execution(next_method, next_kwargs, context)
+
+    def _stop_live_jobs(self, context: Any) -> None:
+        from verl_tasks.execution.ray_jobs import LIVE
+
+        try:
+            cfg, _access = self.resolve(context)
+            for job in self.ray.unit_jobs(self._spec(cfg)):
+                if job.status in LIVE:
+                    self.log.warning("the wait for Ray job %s timed out: stopping it", job.submission_id)
+                    self.ray.stop(job.submission_id)
+        except Exception:  # noqa: BLE001 - the timeout fails the task all the same; say why the job may run on
+            self.log.exception("could not stop the live Ray jobs of this unit after its timeout")
 
     def on_kill(self) -> None:
         if self._job_id and self.backend == "ray":
