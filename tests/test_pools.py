@@ -404,3 +404,24 @@ def test_a_unit_cancelled_before_it_reached_an_actor_is_fenced_all_the_same(tiny
     driver.cancel(running, "the Airflow task was killed (clear, mark failed or timeout)")
     unit = Layout(config.experiment).rollout(0, 1)
     assert running.cancelled and fence_record(open_store(config.storage.uri), unit, running.attempt) is not None
+
+
+def test_a_ray_driver_cancel_fences_through_the_tasks_own_store(tiny_config, tmp_path, monkeypatch):
+    """The Airflow task reaches the store with its connection's credentials, which the environment of
+    its process need not hold: the fence goes through the task's store, never one built anew."""
+    from verl_tasks import store as store_module
+    from verl_tasks.execution import driver
+    from verl_tasks.store import open_store
+    from verl_tasks.store.units import fence_record
+
+    config = tiny_config(f"file://{tmp_path}/store")
+    tasks_store = open_store(config.storage.uri)
+
+    def no_credentials(*args, **kwargs):
+        raise PermissionError("no S3 credentials in this process's environment")
+
+    monkeypatch.setattr(store_module, "store_for", no_credentials)
+    running = driver.start(config, UnitSpec(config.experiment, "rollout", 0, 1), tasks_store)
+    driver.cancel(running, "marked failed in the UI")
+    unit = Layout(config.experiment).rollout(0, 1)
+    assert fence_record(tasks_store, unit, running.attempt) is not None

@@ -315,7 +315,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         from verl_tasks.store.units import read_marker
 
         address = ray_gcs_address(self.ray_conn_id)
-        self._running = driver.start(cfg, spec)
+        self._running = driver.start(cfg, spec, store)
         self.log.info("running %s on its worker pool (attempt %s)", unit, self._running.attempt)
         outcome = driver.run(self._running, address)
         for line in outcome.result.get("log", []):

@@ -45,11 +45,13 @@ def gcs_address(configured: str | None = None) -> str:
 
 @dataclass
 class Running:
-    """What a cancellation needs: the unit, its attempt and where it was sent: (actor, call ref) of each send."""
+    """What a cancellation needs: the unit, its attempt, where it was sent ((actor, call ref) of each
+    send) and the store to fence it in (the task's, with its connection's credentials)."""
 
     config: ExperimentConfig
     spec: UnitSpec
     attempt: str
+    store: Any = None
     sent: list[tuple[Any, Any]] = field(default_factory=list)
     done: bool = False
     cancelled: str | None = None  # why, once cancelled
@@ -63,10 +65,10 @@ class Outcome:
     timing: dict[str, float]
 
 
-def start(config: ExperimentConfig, spec: UnitSpec) -> Running:
+def start(config: ExperimentConfig, spec: UnitSpec, store: Any = None) -> Running:
     from verl_tasks.store.units import new_attempt_id
 
-    return Running(config, spec, new_attempt_id())
+    return Running(config, spec, new_attempt_id(), store)
 
 
 def run(running: Running, address: str) -> Outcome:
@@ -85,7 +87,7 @@ def run(running: Running, address: str) -> Outcome:
     timeout_s = running.config.fault_tolerance.timeout_s.get(running.spec.phase)
     try:
         result = pools.run_unit(running.config, running.spec, running.attempt, timeout_s, on_submit=sent,
-                                cancelled=lambda: running.cancelled is not None)
+                                cancelled=lambda: running.cancelled is not None, store=running.store)
     except UnitTimeout:
         running.done = True  # the pool enforced the timeout: fenced and killed already
         raise
@@ -122,7 +124,7 @@ def cancel(running: Running, reason: str) -> None:
     running.cancelled = reason
     actor, ref = running.sent[-1] if running.sent else (None, None)
     try:
-        pools.cancel_unit(running.config, running.spec, running.attempt, actor, reason, ref)
+        pools.cancel_unit(running.config, running.spec, running.attempt, actor, reason, ref, running.store)
     except Exception:  # noqa: BLE001 - cancelling is best effort; the fence is what guarantees no commit
         log.exception("cancelling %s (attempt %s) failed", running.spec.label, running.attempt)
 

@@ -260,10 +260,11 @@ def send(actor: Any, config: ExperimentConfig, spec: UnitSpec, attempt: str | No
     return actor.run.remote(config.model_dump(mode="json"), spec.phase, spec.epoch, spec.batch, attempt)
 
 
-def _timed_out(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any, timeout_s: float):
+def _timed_out(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any, timeout_s: float,
+               store: Any = None):
     from verl_tasks.errors import UnitTimeout
 
-    unit = cancel_unit(config, spec, attempt, actor, f"timed out after {timeout_s:g} s")
+    unit = cancel_unit(config, spec, attempt, actor, f"timed out after {timeout_s:g} s", store=store)
     return UnitTimeout(unit, f"timed out after {timeout_s:g} s (fault_tolerance.timeout_s.{spec.phase}); the "
                              f"attempt was fenced and its worker restarted; a retry starts a new attempt")
 
@@ -280,7 +281,7 @@ def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = 
 
 def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, timeout_s: float | None,
              on_submit: Callable[[Any, Any], None] | None = None,
-             cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+             cancelled: Callable[[], bool] | None = None, store: Any = None) -> dict[str, Any]:
     """Submit and wait; a call that reached an actor while Ray restarted it is sent again, for up to
     ``RESEND_WINDOW_S`` after the first refusal.
 
@@ -290,7 +291,7 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
     call still running there (the actor was unreachable, not restarted), the second would
     start after it, never beside it in the same attempt's folder. Not when ``cancelled()``
     says the caller killed that actor itself. ``on_submit`` hears the actor and the call's ref at
-    each send (to cancel it there: :func:`cancel_unit`).
+    each send (to cancel it there: :func:`cancel_unit`). ``store`` writes a timeout's fence.
     """
     first_refused: float | None = None
     resend = 0
@@ -299,7 +300,7 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
         on_submit(actor, ref)
     while True:
         try:
-            return wait(config, spec, attempt, ref, actor, timeout_s)
+            return wait(config, spec, attempt, ref, actor, timeout_s, store)
         except ray.exceptions.ActorUnavailableError:
             first_refused = first_refused or time.monotonic()
             if time.monotonic() - first_refused > RESEND_WINDOW_S or (cancelled is not None and cancelled()):
@@ -313,7 +314,7 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
 
 
 def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
-         timeout_s: float | None) -> dict[str, Any]:
+         timeout_s: float | None, store: Any = None) -> dict[str, Any]:
     """The result of a submitted unit; ``timeout_s`` after it *started* (time queued for a worker
     or its resources does not count), it is cancelled and UnitTimeout raised.
 
@@ -331,7 +332,7 @@ def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any
         if ready:
             return ray.get(ref)
         if started is not None and time.time() - started > timeout_s:
-            raise _timed_out(config, spec, attempt, actor, timeout_s)
+            raise _timed_out(config, spec, attempt, actor, timeout_s, store)
 
 
 def _wait_started(ref: Any, actor: Any, attempt: str | None) -> float:
@@ -416,7 +417,7 @@ def _cancel_overdue(config: ExperimentConfig, pending: dict[Any, tuple], timeout
 
 
 def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any | None, reason: str,
-                ref: Any | None = None) -> str:
+                ref: Any | None = None, store: Any = None) -> str:
     """Stop the attempt: kill (and let Ray restart) its actor if it is running it, fence the attempt so it
     can never commit, and take a call still queued (``ref``) out of the actor's queue.
 
@@ -426,7 +427,8 @@ def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, a
     S3, with retries) that a stopping job's SIGKILL may cut short. After the fence the actor is
     asked again: an attempt that started meanwhile is killed too, and one that starts later finds
     the fence and returns at once (``phases.common.run_unit``). With no actor known yet (the unit
-    was being sent) the fence alone stops it.
+    was being sent) the fence alone stops it. ``store``: the caller's (an Airflow task's carries its
+    connection's credentials); else one from the environment.
     """
     from verl_tasks.layout import Layout
     from verl_tasks.store import store_for
@@ -437,7 +439,7 @@ def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, a
     if not killed and ref is not None:
         ray.cancel(ref)  # queued behind another unit: dropped from the queue; running: only flagged
     if attempt:
-        fence_attempt(store_for(config), unit, attempt, reason)
+        fence_attempt(store or store_for(config), unit, attempt, reason)
         if actor is not None and not killed:
             killed = _kill_if_running(actor, attempt)
     log.warning("cancelled %s (attempt %s%s): %s", unit, attempt, ", its actor killed" if killed else "", reason)
