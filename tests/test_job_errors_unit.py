@@ -1,6 +1,7 @@
 """Ray dashboard errors without Airflow: which ones ``RayJobBackend`` retries as transient."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from verl_tasks.execution import UnitSpec
@@ -116,3 +117,38 @@ def test_an_overdue_job_that_cannot_be_stopped_is_not_joined_by_a_second_one(tin
     else:
         raise AssertionError("submit went on although the overdue job could not be stopped")
     assert backend._client.submitted == []
+
+
+class _OneLiveJob:
+    """A Jobs API holding attempt 1 of the unit, RUNNING, submitted with ``store`` in its metadata."""
+
+    def __init__(self, store):
+        self.store, self.submitted = store, []
+
+    def get_job_info(self, job_id):
+        if job_id.endswith("-a1"):
+            return SimpleNamespace(submission_id=job_id, status="RUNNING", start_time=time.time() * 1000,
+                                   metadata={"verl_tasks_store": self.store})
+        raise RuntimeError(f"Request failed with status code 404: Job {job_id} does not exist.")
+
+    def submit_job(self, **kwargs):
+        self.submitted.append(kwargs)
+
+
+def test_a_live_job_of_the_same_unit_id_in_another_store_is_refused_not_joined(tiny_config, tmp_path):
+    """Two deployments with one experiment name on one cluster: job ids collide, stores do not."""
+    import pytest
+
+    from verl_tasks.errors import ConfigError
+    from verl_tasks.execution.ray_jobs import store_identity
+
+    staging = tiny_config(f"file://{tmp_path}/staging")
+    production = tiny_config(f"file://{tmp_path}/production")
+    spec = UnitSpec(staging.experiment, "rollout", 0, 1)
+    backend = RayJobBackend(RayTarget("http://127.0.0.1:8265"), pool=False, retry_s=1.0)
+    backend._client = _OneLiveJob(store_identity(staging))
+    with pytest.raises(ConfigError, match="commits to another store .* give one of them another experiment name"):
+        backend.submit(production, spec)
+    assert backend._client.submitted == []
+    attached = backend.submit(staging, spec)  # its own job: attached as before
+    assert (attached.submission_id.endswith("-a1"), attached.submitted) == (True, False)

@@ -24,6 +24,8 @@ storage through the Ray nodes' own credential chain.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -44,6 +46,7 @@ LIVE = ("PENDING", "RUNNING")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 ADDRESS_ENVS = ("VERL_TASKS_RAY_ADDRESS", "RAY_ADDRESS")
 UNIT_META = "verl_tasks_unit"
+STORE_META = "verl_tasks_store"  # which store a job commits to (a digest: no bucket names in the cluster)
 DUPLICATE_ID = "Please use a different submission_id"
 MAX_ATTEMPTS = 1000
 OVERDUE_S = 30.0  # grace past a unit's timeout before a live job of it counts as hung
@@ -184,6 +187,31 @@ def normalise_address(address: str) -> str:
     return address.rstrip("/")
 
 
+def store_identity(config: ExperimentConfig) -> str:
+    """A short digest of where the experiment commits (store URI and endpoint)."""
+    where = json.dumps([config.storage.uri, config.storage.endpoint_url])
+    return hashlib.sha256(where.encode()).hexdigest()[:16]
+
+
+def check_same_store(jobs: list["JobHandle"], config: ExperimentConfig, spec: UnitSpec) -> None:
+    """Refuse to attach to, or count as done, a job of this unit's id that commits to another store.
+
+    Job ids name the experiment, not the store: two deployments (staging and production, a copied
+    YAML) that run one experiment name on one cluster would otherwise take each other's jobs for
+    their own, and find no marker in their own store after a job that succeeded.
+
+    Raises:
+        ConfigError: names the job and the fix.
+    """
+    mine = store_identity(config)
+    for job in jobs:
+        if job.store is not None and job.store != mine:
+            raise ConfigError(
+                f"Ray job {job.submission_id} of unit {spec.label} commits to another store than this run's "
+                f"({config.storage.uri}): two deployments run experiment {spec.experiment!r} on this cluster; "
+                f"give one of them another experiment name")
+
+
 @dataclass(frozen=True)
 class JobHandle:
     """A Ray job of one unit: its id, its status when last seen, and whether we started it."""
@@ -193,6 +221,7 @@ class JobHandle:
     attempt: int
     submitted: bool
     started_at: float = 0.0  # epoch seconds, 0 when unknown
+    store: str | None = None  # ``store_identity`` of the config it was submitted with; None when unknown
 
 
 class RayJobBackend:
@@ -251,7 +280,8 @@ class RayJobBackend:
             if info is None:
                 break
             found.append(JobHandle(info.submission_id, str(getattr(info.status, "value", info.status)), number,
-                                   False, (info.start_time or 0) / 1000.0))
+                                   False, (info.start_time or 0) / 1000.0,
+                                   (getattr(info, "metadata", None) or {}).get(STORE_META)))
         return found
 
     def _job_info(self, job_id: str) -> Any:
@@ -299,6 +329,7 @@ class RayJobBackend:
             RayUnavailable: the cluster cannot be reached or refuses the request.
         """
         jobs = self.unit_jobs(spec)
+        check_same_store(jobs, config, spec)
         live = [j for j in jobs if j.status in LIVE]
         timeout_s = config.fault_tolerance.timeout_s.get(spec.phase)
         if live and timeout_s and live[-1].started_at and time.time() - live[-1].started_at > timeout_s + OVERDUE_S:
@@ -322,7 +353,7 @@ class RayJobBackend:
                 job_id,
                 entrypoint=self.entrypoint(config, spec),
                 runtime_env=runtime_env,
-                metadata={UNIT_META: spec.label, "experiment": spec.experiment},
+                metadata={UNIT_META: spec.label, "experiment": spec.experiment, STORE_META: store_identity(config)},
                 # With pools the phase's actor holds its resources; the driver only waits for it.
                 entrypoint_num_cpus=0 if self.pool else resources.num_cpus,
                 entrypoint_num_gpus=0 if self.pool else resources.num_gpus,
