@@ -4,7 +4,10 @@ The new experiment's base snapshot (version 0) becomes a copy of the parent's
 snapshot ``version``: weights, model config and tokenizer are copied server-side,
 the optimizer starts fresh and ``trainer_state.json`` records the parent. The
 copy is an ordinary unit commit, so it is idempotent: a retried or re-run
-``configure`` task finds the marker and does nothing.
+``configure`` task finds the marker and does nothing. Once seeded, the origin is
+recorded (in the base's marker and the experiment's pin) and reused: a rerun does
+not follow the parent forward, and a quarantined base is re-seeded from the same
+parent snapshot, never rebuilt from the configured model.
 
 :func:`start_experiment` is the resume/fork policy (latest, fresh, from a snapshot,
 scheduled child of a parent), shared by Airflow's ``configure`` task and
@@ -17,13 +20,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from verl_tasks.config import ExperimentConfig, check_name
-from verl_tasks.errors import ConfigError
+from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.layout import Layout
-from verl_tasks.pinning import pin_experiment
+from verl_tasks.pinning import pin_experiment, read_pin
 from verl_tasks.store import conventions
 from verl_tasks.store.base import ObjectStore
 from verl_tasks.store.conventions import NOT_COPIED, WEIGHTS, is_optimizer_state
-from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker
+from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +52,40 @@ def parent_snapshot(store: ObjectStore, experiment: str, version: int) -> Commit
     return record
 
 
+def recorded_origin(store: ObjectStore, experiment: str) -> dict[str, Any] | None:
+    """The parent snapshot ``experiment``'s base was seeded from: its base marker's, else its pin's.
+
+    The pin still names it while the base is quarantined (it failed verification).
+    """
+    base = read_marker(store, Layout(experiment).snapshot(0))
+    if base is not None:
+        return base.meta.get("parent")
+    pin = read_pin(store, Layout(experiment))
+    return pin.get("parent") if pin else None
+
+
 def seed_base_from(store: ObjectStore, experiment: str, parent: str, version: int, seed: int) -> dict[str, Any]:
-    """Commit ``experiment``'s snapshot 0 as a copy of ``parent``'s snapshot ``version`` (once)."""
+    """Commit ``experiment``'s snapshot 0 as a copy of ``parent``'s snapshot ``version`` (once).
+
+    A base that was quarantined but whose pin names this origin is re-seeded from it, verified.
+
+    Raises:
+        ConfigError: the experiment already starts from another snapshot or from its configured model,
+            or ``version`` is not committed.
+        SnapshotPruned: the parent snapshot's weights were pruned (a first seed).
+        StoreError: a re-seed's parent snapshot is gone, pruned, corrupt or holds other weights.
+    """
     target = Layout(experiment).snapshot(0)
     existing = read_marker(store, target)
+    origin = existing.meta.get("parent") if existing is not None else recorded_origin(store, experiment)
+    if origin and (origin.get("experiment"), origin.get("version")) != (parent, version):
+        raise ConfigError(f"experiment {experiment!r} already starts from {origin}; use a new experiment name")
     if existing is not None:
-        origin = existing.meta.get("parent")
-        if origin and (origin.get("experiment"), origin.get("version")) != (parent, version):
-            raise ConfigError(f"experiment {experiment!r} already starts from {origin}; use a new experiment name")
+        if not origin:
+            raise ConfigError(f"experiment {experiment!r} already exists with a base built from its configured "
+                              f"model, not from {parent} snapshot {version}; use a new experiment name")
         return {"unit": target, "attempt": existing.attempt, "parent": origin}
-    source = parent_snapshot(store, parent, version)
+    source = _reseed_source(store, experiment, origin) if origin else parent_snapshot(store, parent, version)
     origin = {"experiment": parent, "version": version, "unit": source.unit, "attempt": source.attempt,
               "weights_sha256": source.files[WEIGHTS].sha256 if WEIGHTS in source.files else None}
     writer = UnitWriter(store, target)
@@ -69,6 +96,37 @@ def seed_base_from(store: ObjectStore, experiment: str, parent: str, version: in
     record, won = writer.commit({"version": 0, "source": "parent", "parent": origin})
     log.info("base snapshot of %s %s from %s snapshot %d", experiment, "seeded" if won else "was already seeded", parent, version)
     return {"unit": target, "attempt": record.attempt, "parent": origin}
+
+
+def _reseed_source(store: ObjectStore, experiment: str, origin: dict[str, Any]) -> CommitRecord:
+    """The recorded parent snapshot, verified, for a base that was quarantined.
+
+    Raises:
+        StoreError: it cannot be used; the message names it and the two ways out.
+    """
+    parent, version = origin["experiment"], origin["version"]
+
+    def refused(problem: str) -> StoreError:
+        return StoreError(
+            f"the base snapshot of {experiment!r} was quarantined and can only be re-seeded from its parent, "
+            f"{parent} snapshot {version} ({Layout(parent).snapshot(version)}), but {problem}. Restore that "
+            f"snapshot, or start a new experiment from one that exists: "
+            f"verl-tasks run --resume-from {parent}:VERSION --experiment NEW_NAME"
+        )
+
+    try:
+        source = parent_snapshot(store, parent, version)
+        problems = verify_unit(store, source)
+    except (ConfigError, StoreError) as err:  # not committed, pruned, or a damaged marker
+        raise refused(str(err)) from err
+    if problems:
+        raise refused("it failed verification: " + "; ".join(problems))
+    weights = source.files[WEIGHTS].sha256 if WEIGHTS in source.files else None
+    if origin.get("weights_sha256") and weights != origin["weights_sha256"]:
+        raise refused(f"its weights (sha256 {str(weights)[:16]}) are not the recorded ones "
+                      f"({origin['weights_sha256'][:16]})")
+    log.warning("base snapshot of %s was quarantined: re-seeding it from %s snapshot %d", experiment, parent, version)
+    return source
 
 
 RESUME_MODES = ("latest", "fresh", "snapshot")
@@ -92,9 +150,11 @@ def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: st
         resume: ``latest`` continues what is committed (a changed hyperparameter under an
             existing name is refused by the pin); ``fresh`` needs a new name; ``snapshot``
             starts a new experiment whose base is snapshot ``version`` of ``parent``.
-        parent, version: the fork's source (``version`` None: its latest snapshot).
+        parent, version: the fork's source (``version`` None: its latest snapshot, or the
+            one the experiment already started from).
         scheduled_parent: continual training; the base is this experiment's latest snapshot
-            when it has one, else the configured base model.
+            when it has one, else the configured base model. A child that already started
+            keeps its base when the run is cleared or rerun after the parent moved on.
     Returns:
         ``experiment``, ``config_hash``, ``resume`` and ``parent`` (the pinned origin or None).
     Raises:
@@ -110,13 +170,10 @@ def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: st
                           f"pick a new name or use resume=latest")
     source: tuple[str, int] | None = None
     if resume == "snapshot":
-        source = _fork_source(store, config.experiment, parent, version)
+        source = _fork_source(store, config.experiment, parent, version, recorded_origin(store, config.experiment))
     elif scheduled_parent:
-        newest = latest_version(store, check_name(scheduled_parent))
-        if newest is None:
-            log.info("parent %s has no snapshot yet; starting from the configured base", scheduled_parent)
-        else:
-            source = (scheduled_parent, newest)
+        source = _scheduled_source(store, config.experiment, check_name(scheduled_parent),
+                                   recorded_origin(store, config.experiment))
     origin = seed_base_from(store, config.experiment, source[0], source[1], config.seed)["parent"] if source else None
     # The pinning module, not the phases: configure stays torch-free (importing torch was 1.4 s of its 1.5 s).
     pinned = pin_experiment(SimpleNamespace(config=config, store=store, layout=layout), parent=origin)
@@ -126,14 +183,38 @@ def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: st
             "parent": pinned.get("parent")}
 
 
-def _fork_source(store: ObjectStore, experiment: str, parent: str | None, version: int | None) -> tuple[str, int]:
-    """(parent, version) of a fork; the latest snapshot when no version is given."""
+def _fork_source(store: ObjectStore, experiment: str, parent: str | None, version: int | None,
+                 recorded: dict[str, Any] | None) -> tuple[str, int]:
+    """(parent, version) of a fork; with no version, the one it started from, else the parent's latest.
+
+    A rerun of ``--resume-from PARENT`` continues its fork after the parent trained on.
+    """
     if not parent:
         raise ConfigError("resume=snapshot needs the parent experiment to start from")
     if check_name(parent) == experiment:
         raise ConfigError(f"a run from a snapshot starts a new experiment: pick a name other than {parent!r}")
+    if version is None and recorded and recorded.get("experiment") == parent:
+        return parent, recorded["version"]
     if version is None:
         version = latest_version(store, parent)
         if version is None:
             raise ConfigError(f"experiment {parent!r} has no published snapshot in this store to start from")
     return parent, version
+
+
+def _scheduled_source(store: ObjectStore, experiment: str, parent: str,
+                      recorded: dict[str, Any] | None) -> tuple[str, int] | None:
+    """(parent, version) of a scheduled child: the one it started from, else the parent's latest.
+
+    A Clear of the whole run starts ``configure`` again after the parent may have trained on:
+    the child keeps its base. None: the configured base (the parent had no snapshot then).
+    """
+    if recorded and recorded.get("experiment") == parent:
+        return parent, recorded["version"]
+    if recorded is None and store.exists(Layout(experiment).experiment_json):
+        return None  # pinned without a parent: it started from the configured base and keeps it
+    newest = latest_version(store, parent)
+    if newest is None:
+        log.info("parent %s has no snapshot yet; starting from the configured base", parent)
+        return None
+    return parent, newest

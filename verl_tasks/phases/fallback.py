@@ -46,7 +46,8 @@ def fall_back(ctx, version: int, problems: list[str]) -> dict[str, Any]:
     """Quarantine corrupt snapshot ``version`` (and its update unit if needed); point latest at the previous valid one.
 
     Returns the ``fallback`` event's fields. Snapshot 0 (the base) is quarantined
-    too; it is rebuilt by ``prepare`` on the next run.
+    too; ``prepare`` rebuilds it on the next run, re-seeding a forked experiment's from
+    the parent snapshot its pin records (never from the configured model).
 
     Raises:
         SnapshotPruned: ``version`` was pruned by retention; nothing is quarantined.

@@ -13,10 +13,11 @@ from typing import Any
 
 from verl_tasks import data as data_mod
 from verl_tasks.errors import DataError, PhaseFailed
+from verl_tasks.execution.lineage import seed_base_from
 from verl_tasks.models.checkpoint import save_policy
 from verl_tasks.phases.common import CACHE_DIR, PhaseContext, committed, run_unit, set_determinism
 from verl_tasks.pinning import pin_experiment
-from verl_tasks.store.units import CommitRecord, UnitWriter, is_committed, read_jsonl
+from verl_tasks.store.units import CommitRecord, UnitWriter, is_committed, read_jsonl, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,15 @@ def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
     return work, info
 
 
-def base_snapshot(ctx: PhaseContext) -> CommitRecord:
-    """Snapshot 0: the policy every RL epoch starts from."""
+def base_snapshot(ctx: PhaseContext, parent: dict[str, Any] | None = None) -> CommitRecord:
+    """Snapshot 0: the policy every RL epoch starts from.
+
+    A forked experiment's (``parent``: its pin's origin) is re-seeded from that parent snapshot,
+    never built from ``model``: that would silently change its base and KL reference.
+    """
+    if parent:
+        seed_base_from(ctx.store, ctx.config.experiment, parent["experiment"], parent["version"], ctx.config.seed)
+        return read_marker(ctx.store, ctx.layout.snapshot(0))
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
         set_determinism(ctx.config)
@@ -115,13 +123,13 @@ def base_snapshot(ctx: PhaseContext) -> CommitRecord:
 
 def prepare(ctx: PhaseContext) -> CommitRecord:
     """Idempotent; the fast path (all pinned) costs three small reads."""
-    pin_experiment(ctx)
+    pin = pin_experiment(ctx)
     base = committed(ctx, ctx.layout.snapshot(0))
     if base is not None and all(is_committed(ctx.store, ctx.layout.data(s)) for s in ("train", "eval")):
         return base
     prepare_data(ctx, "train")
     prepare_data(ctx, "eval")
-    record = base_snapshot(ctx)
+    record = base_snapshot(ctx, pin.get("parent"))
     _point_latest(ctx, 0, record)
     return record
 
