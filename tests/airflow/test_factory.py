@@ -91,3 +91,35 @@ def test_skippable_batches_do_not_block_score_and_validate(tmp_path):
     assert dag.get_task("epoch_000.validate").trigger_rule == "all_done"
     assert dag.get_task("epoch_000.update").trigger_rule == "all_success"
     assert build_dag(TINY).get_task("epoch_000.validate").trigger_rule == "all_success"
+
+
+def test_every_epoch_has_an_evaluate_and_the_run_picks_which_ones_run(tmp_path):
+    """The DAG's evaluate tasks follow no YAML schedule: a run of fewer epochs (or another
+    ``evaluate.every``) still evaluates its own last epoch; configure skips the rest up front."""
+    from airflow.sdk.exceptions import DownstreamTasksSkipped
+
+    raw = yaml.safe_load(TINY.read_text())
+    raw.update(epochs=4, evaluate={"every": 2}, schedule={"cron": "0 3 * * *"})
+    raw["storage"]["uri"] = f"file://{tmp_path}/store"
+    path = tmp_path / "every2.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dag = build_dag(path)
+    evaluates = {f"epoch_{epoch:03d}.evaluate" for epoch in range(4)}
+    assert evaluates <= set(dag.task_ids)
+    assert dag.get_task("epoch_002.evaluate").upstream_task_ids == {"epoch_002.snapshot"}
+    assert dag.get_task("epoch_003.plan").upstream_task_ids == {"epoch_002.snapshot"}
+    assert dag.get_task("promote").upstream_task_ids == evaluates
+
+    params = {"experiment": "every2", "epochs": 3}  # last epoch 2: not on the YAML's every-2 schedule
+    cfg = runconfig.resolve(path, params)
+    reasons = {epoch: dag.get_task(f"epoch_{epoch:03d}.evaluate")._skip_reason(cfg) for epoch in range(4)}
+    assert reasons[1] is None and reasons[2] is None, reasons
+    assert "evaluate.every=2" in reasons[0] and "trains 3 epoch(s)" in reasons[3], reasons
+    every1 = runconfig.resolve(path, {**params, "overrides": {"evaluate.every": 1}})
+    assert dag.get_task("epoch_000.evaluate")._skip_reason(every1) is None
+
+    with pytest.raises(DownstreamTasksSkipped) as skipped:
+        dag.get_task("configure").execute({"params": params, "dag_run": None, "ti": None})
+    names = {name for name in skipped.value.tasks if isinstance(name, str)}
+    assert "epoch_000.evaluate" in names and "epoch_003.plan" in names, names
+    assert not names & {"epoch_001.evaluate", "epoch_002.evaluate", "epoch_000.snapshot", "epoch_002.plan"}, names

@@ -7,6 +7,9 @@ Shape (``E`` epochs from the YAML, ``B`` = ``rollout.batches_per_epoch``)::
 
 Every task is one idempotent unit (see :mod:`verl_tasks.airflow.operators`); the next
 epoch's ``plan`` waits for this epoch's ``snapshot`` (``evaluate`` is a side branch).
+Every epoch has an ``evaluate`` task: which epochs a run evaluates depends on the run
+(``evaluate.every`` and ``epochs`` come from the trigger form too, and a run's last epoch
+is always evaluated), so ``configure`` skips, up front, those its run does not evaluate.
 A DAG with a ``schedule`` (cron, asset or parent) ends with ``promote``, the promotion gate
 (:mod:`verl_tasks.airflow.promotion`). ``notifiers`` (Airflow ``BaseNotifier`` objects) hear
 about safe mode (:mod:`verl_tasks.airflow.callbacks`).
@@ -144,8 +147,6 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
             with TaskGroup(group_id=f"epoch_{epoch:03d}", tooltip=f"epoch {epoch} -> policy version {epoch + 1}"):
                 tasks = {}
                 for phase, spec in PHASES.items():
-                    if phase == "evaluate" and not cfg.should_evaluate(epoch, cfg.epochs):
-                        continue
                     kwargs: dict[str, Any] = dict(common, task_id=phase, phase=phase, epoch=epoch,
                                                   doc_md=spec.doc + RETRY_DOC)
                     timeout = ft.timeout_s.get(phase)
@@ -173,10 +174,8 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                     else:
                         tasks[phase] = VerlPhaseOperator(**kwargs)
                 previous >> tasks["plan"] >> tasks["rollout"] >> tasks["score"] >> tasks["validate"]
-                tasks["validate"] >> tasks["update"] >> tasks["snapshot"]
-                if "evaluate" in tasks:
-                    tasks["snapshot"] >> tasks["evaluate"]
-                    evaluations.append(tasks["evaluate"])
+                tasks["validate"] >> tasks["update"] >> tasks["snapshot"] >> tasks["evaluate"]
+                evaluations.append(tasks["evaluate"])
                 previous = tasks["snapshot"]
         if retraining:
             evaluations >> PromoteSnapshotOperator(

@@ -124,26 +124,32 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         result = {**started, "epochs": cfg.epochs, "store": cfg.storage.uri}
         layout = Layout(cfg.experiment)
         done = [epoch for epoch in range(cfg.epochs) if epoch_done(cfg, store, layout, epoch, cfg.epochs)]
-        self._skip_epochs(context, cfg.epochs, cfg.rollout.batches_per_epoch, done, result)
+        unevaluated = [epoch for epoch in range(cfg.epochs) if not cfg.should_evaluate(epoch, cfg.epochs)]
+        self._skip_epochs(context, cfg.epochs, cfg.rollout.batches_per_epoch, done, result, unevaluated)
         return result
 
-    def _skip_epochs(self, context: Any, epochs: int, batches: int, done: list[int], result: dict[str, Any]) -> None:
+    def _skip_epochs(self, context: Any, epochs: int, batches: int, done: list[int], result: dict[str, Any],
+                     unevaluated: list[int]) -> None:
         """Skip, here and all at once, the tasks of epochs this run has nothing to do in: those beyond
-        its ``epochs``, and those whose units are all committed (a rerun, a Clear of the whole run).
+        its ``epochs``, and those whose units are all committed (a rerun, a Clear of the whole run);
+        and the ``evaluate`` of the ``unevaluated`` epochs (every epoch has one; the run's
+        ``evaluate.every`` and last epoch say which it runs).
 
         Left to their own operators, each of those tasks would start, resolve the run's config and find
         its marker (about 0.5 s a task under ``airflow dags test``); left to trigger rules, later epochs
         are skipped one dependency level per scheduling loop (about 40 s for 6 idle epochs). An epoch's
         ``plan`` runs when the epoch before it was skipped (``none_failed``). A skipped task that is
-        cleared on its own still runs, and still finds its marker.
+        cleared on its own still runs, and still finds its marker (or, for an evaluate, skips again).
         """
         dag = self.dag if self.has_dag() else None
-        finished = set(done)
+        finished, no_evaluation = set(done), set(unevaluated)
         tasks = [(task, epoch) for task in (dag.tasks if dag is not None else [])
-                 if (epoch := epoch_of(task.task_id)) is not None and (epoch >= epochs or epoch in finished)]
+                 if (epoch := epoch_of(task.task_id)) is not None and (epoch >= epochs or epoch in finished or (
+                     epoch in no_evaluation and task.task_id.endswith(".evaluate")))]
         if not tasks:
             return
-        committed = sum(1 for _, epoch in tasks if epoch < epochs)
+        committed = sum(1 for _, epoch in tasks if epoch in finished)
+        later = sum(1 for _, epoch in tasks if epoch >= epochs)
         # A mapped task not yet expanded is one instance (map index -1); once expanded (a Clear of a run
         # that ran), one per batch: both are named, and a name no instance has is ignored.
         names = [task.task_id for task, _ in tasks] + [
@@ -156,9 +162,12 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         if committed:
             self.log.info("epoch(s) %s left nothing to do (every unit committed): skipping their %d tasks",
                           ", ".join(map(str, done)), committed)
-        if len(tasks) > committed:
-            self.log.info("this run trains %d epoch(s): skipping the %d tasks of the DAG's later epochs", epochs,
-                          len(tasks) - committed)
+        if len(tasks) > committed + later:
+            self.log.info("this run evaluates after epoch(s) %s only: skipping %d other evaluate task(s)",
+                          ", ".join(str(e) for e in range(epochs) if e not in no_evaluation),
+                          len(tasks) - committed - later)
+        if later:
+            self.log.info("this run trains %d epoch(s): skipping the %d tasks of the DAG's later epochs", epochs, later)
         raise DownstreamTasksSkipped(tasks=names)
 
 
