@@ -6,10 +6,12 @@
 
 The head runs ``ray start --head --block`` under ``setsid`` with its own
 ``RAY_TMPDIR`` and its own token file (token authentication stays on), created 0600
-from the start in a state directory created 0700. Its PID
-is recorded in the state directory; ``stop`` sends SIGTERM to that process
-group leader and waits. ``ray stop`` is never used: it kills every Ray process
-on the machine by name.
+from the start in a state directory created 0700. Its PID and the kernel's start
+time of that PID are recorded in the state directory (``head.json``); ``stop`` sends
+SIGTERM to that process group leader and waits. A PID whose start time differs (the
+head died, e.g. a reboot or an OOM kill, and the PID went to another process) is not
+the head: it is never signalled, and its ``head.json`` is deleted. ``ray stop`` is
+never used: it kills every Ray process on the machine by name.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class HeadInfo:
     token_file: str
     tmpdir: str
     log_file: str
+    started: int | None = None  # start time of ``pid`` (clock ticks after boot, /proc/<pid>/stat field 22)
 
     def client_env(self) -> dict[str, str]:
         """Environment a client (Airflow worker, triggerer, test) needs to use this head."""
@@ -55,7 +58,25 @@ class HeadInfo:
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": self.tmpdir}
 
 
-def _alive(pid: int) -> bool:
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, field 22 of ``/proc/<pid>/stat``), or None
+    when there is no such process. Read after the ``)`` that ends the command name, which may hold
+    spaces and parentheses itself."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return int(stat_line.rpartition(")")[2].split()[19])  # fields 3.. follow the ")": field 22 is [19]
+
+
+def _alive(info: HeadInfo) -> bool:
+    """Whether the head ``info`` names still runs: its pid is alive *and* started when the head did.
+
+    A pid alone proves nothing once the head is gone (a reboot, an OOM kill): the kernel hands
+    it to another process. A ``head.json`` written before start times were recorded proves
+    only a pid, so it counts as not alive: see :func:`_forget`.
+    """
+    pid = info.pid
     try:  # a head this process started and that exited is a zombie until reaped: kill(pid, 0) still succeeds
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
@@ -66,16 +87,39 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return info.started is not None and start_time(pid) == info.started
+
+
+def _forget(path: Path, info: HeadInfo) -> None:
+    """Delete the ``head.json`` of a head that no longer runs; the pid it names is never signalled.
+
+    One written before start times were recorded, whose pid is taken, counts as stale too: a pid
+    (even with a Ray command line: another checkout's head has the same one) cannot tell our head
+    from a process that reused it, and a wrong guess would SIGKILL someone else's process group.
+    """
+    if info.started is None and start_time(info.pid) is not None:
+        log.warning("%s names pid %d without its start time (written by an older verl-tasks): not treating that "
+                    "process as the Ray head. If it is a head left running from before the upgrade, stop it by "
+                    "hand (kill -TERM -- -%d) before starting a new one", path, info.pid, info.pid)
+    path.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> HeadInfo:
+    return HeadInfo(**json.loads(path.read_text()))
 
 
 def read_info(state_dir: Path) -> HeadInfo | None:
+    """The running head recorded in ``state_dir``, or None; a ``head.json`` of a head that no longer
+    runs (its pid gone or now another process's) is deleted."""
     path = Path(state_dir) / "head.json"
     if not path.is_file():
         return None
-    info = HeadInfo(**json.loads(path.read_text()))
-    return info if _alive(info.pid) else None
+    info = _read(path)
+    if _alive(info):
+        return info
+    _forget(path, info)
+    return None
 
 
 class UnsafeStateDir(RuntimeError):
@@ -117,7 +161,7 @@ def _ready(info: HeadInfo, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
-        if not _alive(info.pid):
+        if not _alive(info):
             raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
         try:
             RayJobBackend(RayTarget(info.address, read_token(info.token_file))).client.list_jobs()
@@ -132,7 +176,7 @@ def _gcs_listening(info: HeadInfo, timeout_s: float) -> None:
     host, port = info.gcs_address.rsplit(":", 1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(info.pid):
+        if not _alive(info):
             raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
         try:
             socket.create_connection((host, int(port)), timeout=1).close()
@@ -205,7 +249,7 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(cwd or state_dir))
     info = HeadInfo(proc.pid, f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{port}", str(token_file),
-                    str(tmpdir), str(log_file))
+                    str(tmpdir), str(log_file), start_time(proc.pid))
     (state_dir / "head.json").write_text(json.dumps(asdict(info), indent=1))
     return info
 
@@ -221,7 +265,7 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> None:
     _gcs_listening(info, timeout_s)
     client = GcsClient(address=info.gcs_address)
     while time.monotonic() < deadline:
-        if not _alive(info.pid):
+        if not _alive(info):
             raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
         if client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE):
             return
@@ -231,17 +275,23 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> None:
 
 def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     """SIGTERM the recorded head (its whole session), wait up to ``timeout_s``, then SIGKILL what is left.
-    True if it ran."""
+    True if it ran.
+
+    Only a head that :func:`_alive` recognises (pid and start time) is signalled: a recorded pid
+    that is gone or now another process's is left alone, and so is its process group (after a
+    reboot that group id may be a daemon's session). The stale ``head.json`` is deleted either way.
+    """
     path = Path(state_dir) / "head.json"
     if not path.is_file():
         return False
-    info = HeadInfo(**json.loads(path.read_text()))
-    was_alive = _alive(info.pid)
-    if was_alive:
-        os.kill(info.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while _alive(info.pid) and time.monotonic() < deadline:  # _alive reaps our own child
-            time.sleep(0.05)
+    info = _read(path)
+    if not _alive(info):
+        _forget(path, info)
+        return False
+    os.kill(info.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(info) and time.monotonic() < deadline:  # _alive reaps our own child
+        time.sleep(0.05)
     try:  # whatever of the head's own session is left (workers, dashboard): only that group
         os.killpg(info.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -251,7 +301,7 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     except ChildProcessError:
         pass
     path.unlink(missing_ok=True)
-    return was_alive
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
