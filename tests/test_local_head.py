@@ -77,3 +77,37 @@ def test_start_time_reads_field_22_past_a_command_name_with_spaces_and_parenthes
         proc.kill()
         proc.wait()
     assert local_head.start_time(proc.pid) is None
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan waits for its new parent to reap it)."""
+    time.sleep(0.2)
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("same_boot", [True, False], ids=["same-boot", "other-boot"])
+def test_what_a_dead_leader_left_of_its_head_is_killed_only_within_its_boot(tmp_path, same_boot):
+    """The head's leader was OOM-killed; gcs_server and raylet (here: a ``sleep`` in its group) live on
+    and hold the ports. Within the boot the group id can only be theirs; after a reboot it may not be."""
+    state = local_head.private_dir(tmp_path / "ray-head")
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    started = local_head.start_time(leader.pid)
+    member = int(leader.stdout.readline())
+    leader.wait()
+    try:
+        info = local_head.HeadInfo(leader.pid, "http://127.0.0.1:9", "127.0.0.1:9", str(state / "auth_token"),
+                                   str(state), str(state / "head.log"), started,
+                                   local_head.boot_id() if same_boot else "another-boot")
+        (state / "head.json").write_text(json.dumps(asdict(info), indent=1))
+        assert local_head.stop(state, timeout_s=1) is False  # the head itself was not running
+        assert _running(member) != same_boot, "leftovers killed only within the head's boot"
+        assert not (state / "head.json").exists()
+    finally:
+        try:
+            os.kill(member, 9)
+        except ProcessLookupError:
+            pass

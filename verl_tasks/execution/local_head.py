@@ -44,6 +44,7 @@ class HeadInfo:
     tmpdir: str
     log_file: str
     started: int | None = None  # start time of ``pid`` (clock ticks after boot, /proc/<pid>/stat field 22)
+    boot_id: str | None = None  # the boot it started in: its process group id means nothing after a reboot
 
     def client_env(self) -> dict[str, str]:
         """Environment a client (Airflow worker, triggerer, test) needs to use this head."""
@@ -67,6 +68,26 @@ def start_time(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     return int(stat_line.rpartition(")")[2].split()[19])  # fields 3.. follow the ")": field 22 is [19]
+
+
+def boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _kill_leftovers(info: HeadInfo) -> None:
+    """SIGKILL what is left of a head whose leader died (gcs_server, raylet, dashboard still holding its
+    ports): its process group, when that can only be the head's. In the same boot, with no process
+    holding the leader's pid, a group of that id is the head's: Linux gives no new process a pid that
+    is still a live group's id. After a reboot, or with the pid taken, nothing is signalled."""
+    if info.boot_id is None or info.boot_id != boot_id() or start_time(info.pid) is not None:
+        return
+    try:
+        os.killpg(info.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _alive(info: HeadInfo) -> bool:
@@ -249,7 +270,7 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(cwd or state_dir))
     info = HeadInfo(proc.pid, f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{port}", str(token_file),
-                    str(tmpdir), str(log_file), start_time(proc.pid))
+                    str(tmpdir), str(log_file), start_time(proc.pid), boot_id())
     (state_dir / "head.json").write_text(json.dumps(asdict(info), indent=1))
     return info
 
@@ -278,14 +299,16 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     True if it ran.
 
     Only a head that :func:`_alive` recognises (pid and start time) is signalled: a recorded pid
-    that is gone or now another process's is left alone, and so is its process group (after a
-    reboot that group id may be a daemon's session). The stale ``head.json`` is deleted either way.
+    that is now another process's is left alone, and so is its process group (after a reboot that
+    group id may be a daemon's session). A leader that died leaves its group to
+    :func:`_kill_leftovers`. The stale ``head.json`` is deleted either way.
     """
     path = Path(state_dir) / "head.json"
     if not path.is_file():
         return False
     info = _read(path)
     if not _alive(info):
+        _kill_leftovers(info)
         _forget(path, info)
         return False
     os.kill(info.pid, signal.SIGTERM)
