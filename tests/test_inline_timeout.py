@@ -94,3 +94,25 @@ def test_a_reward_worker_interrupted_mid_batch_is_closed_and_the_next_batch_scor
     with warm_sandbox(function, 30.0, 1024) as box:
         result = box.score(_requests("1", "0"), default=-1.0)
     assert result.scores == [1.0, 0.0] and not result.failures, result
+
+
+def test_an_alarm_that_fires_as_the_unit_ends_is_still_a_unit_timeout(monkeypatch):
+    """The alarm may fire after the body returned, while the deadline is being disarmed: it must
+    come out as UnitTimeout (which the runner retries), and the process's handler must be restored."""
+    import signal
+
+    from verl_tasks.execution import deadline
+
+    real_setitimer = signal.setitimer
+
+    def fire_while_disarming(which, seconds):
+        real_setitimer(which, seconds)
+        if seconds == 0:
+            raise deadline.DeadlinePassed("fired as the unit ended")
+
+    monkeypatch.setattr(signal, "setitimer", fire_while_disarming)
+    before = signal.getsignal(signal.SIGALRM)
+    with pytest.raises(UnitTimeout):
+        with unit_deadline("exp/epochs/00000/plan", "plan", 5.0):
+            pass
+    assert signal.getsignal(signal.SIGALRM) == before

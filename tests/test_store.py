@@ -306,6 +306,24 @@ def test_s3_delete_prefix_raises_on_keys_it_could_not_delete(moto_endpoint, s3_b
     assert store.list("exp/x/") == ["exp/x/.attempts/1/a"]
 
 
+def test_a_loser_whose_files_cannot_be_deleted_still_returns_the_winner(moto_endpoint, s3_bucket):
+    """A role without s3:DeleteObject (or an S3 SlowDown) must not turn a lost race into a failed task:
+    the winner committed; the loser's files are garbage that gc reports."""
+    from verl_tasks.store.units import UnitWriter
+
+    store = open_store(f"s3://{s3_bucket}/prefix", endpoint_url=moto_endpoint)
+    unit = "exp/epochs/00000/rollout/b0000"
+    winner, loser = UnitWriter(store, unit), UnitWriter(store, unit)
+    for writer in (winner, loser):
+        writer.write_bytes("samples.jsonl", b"{}\n")
+    won, _ = winner.commit({})
+    store.client.delete_objects = lambda *, Bucket, Delete: {
+        "Errors": [{"Key": o["Key"], "Code": "AccessDenied", "Message": "Access Denied"} for o in Delete["Objects"]]}
+    record, lost = loser.commit({})
+    assert not lost and record.attempt == won.attempt
+    assert any(f"/.attempts/{loser.attempt}/" in key for key in store.list(unit + "/"))
+
+
 def test_gc_removes_fence_records_past_the_horizon_only(store):
     """A fence refuses a cancelled attempt's late commit; once older than gc's horizon it is garbage."""
     from verl_tasks.store.units import fence_attempt

@@ -168,7 +168,7 @@ def test_job_logs_shown_in_airflow_carry_no_config_blob():
 def test_a_deferral_past_its_timeout_stops_the_units_live_ray_job(tmp_path, monkeypatch):
     """Airflow resumes a timed-out deferral with ``__fail__`` and calls no on_kill: the operator stops the
     unit's live job itself (its driver then fences the attempt), and the task still fails as a timeout."""
-    from airflow.sdk.exceptions import TaskDeferralTimeout
+    from airflow.sdk.exceptions import TaskDeferralError, TaskDeferralTimeout
     from airflow.sdk.bases.operator import TriggerFailureReason
     from verl_tasks.execution.ray_jobs import JobHandle
 
@@ -180,6 +180,9 @@ def test_a_deferral_past_its_timeout_stops_the_units_live_ray_job(tmp_path, monk
     op.__dict__["ray"] = SimpleNamespace(unit_jobs=lambda spec: jobs, stop=lambda job_id: stopped.append(job_id))
     context = {"params": {"experiment": "inl"},
                "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
+    with pytest.raises(TaskDeferralError):  # the trigger failed (not the timeout): the retry attaches to the job
+        op.resume_execution("__fail__", {"error": TriggerFailureReason.TRIGGER_FAILURE}, context)
+    assert stopped == []
     with pytest.raises(TaskDeferralTimeout):
         op.resume_execution("__fail__", {"error": TriggerFailureReason.TRIGGER_TIMEOUT}, context)
     assert stopped == ["vt-inl-e2-rollout-b1-a2"]

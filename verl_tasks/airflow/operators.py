@@ -351,7 +351,11 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         """A deferral past ``execution_timeout`` comes back as ``__fail__``, and Airflow calls no
         ``on_kill`` for it: stop the unit's live Ray jobs first (their drivers fence the attempt), so a
         timed-out attempt neither runs on holding its resources nor commits later."""
-        if next_method == TRIGGER_FAIL and self.backend == "ray":
+        from airflow.sdk.bases.operator import TriggerFailureReason
+
+        timed_out = (next_method == TRIGGER_FAIL
+                     and (next_kwargs or {}).get("error") == TriggerFailureReason.TRIGGER_TIMEOUT)
+        if timed_out and self.backend == "ray":  # a failed trigger (not a timeout) leaves the job to its retry
             self._stop_live_jobs(context)
         return super().resume_execution(next_method, next_kwargs, context)
 

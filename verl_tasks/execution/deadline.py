@@ -45,14 +45,17 @@ def unit_deadline(unit: str, phase: str, timeout_s: float | None) -> Iterator[No
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        yield
+        try:
+            yield
+        finally:  # disarmed first; an alarm that fires even here is caught below, the handler restored
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            finally:
+                signal.signal(signal.SIGALRM, previous)
     except DeadlinePassed:
         drop_warm_state()
         raise UnitTimeout(unit, f"timed out after {limit}; what this process kept warm was dropped and the "
                                 f"retry is a new attempt") from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)  # an alarm still pending now finds no Python handler
 
 
 def drop_warm_state() -> None:

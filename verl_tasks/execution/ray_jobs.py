@@ -188,24 +188,25 @@ def normalise_address(address: str) -> str:
 
 
 def store_identity(config: ExperimentConfig) -> str:
-    """A short digest of where the experiment commits (store URI and endpoint)."""
-    where = json.dumps([config.storage.uri, config.storage.endpoint_url])
+    """A short digest of where the experiment commits (store URI without a trailing ``/``, and endpoint)."""
+    where = json.dumps([config.storage.uri.rstrip("/"), (config.storage.endpoint_url or "").rstrip("/")])
     return hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
 def check_same_store(jobs: list["JobHandle"], config: ExperimentConfig, spec: UnitSpec) -> None:
-    """Refuse to attach to, or count as done, a job of this unit's id that commits to another store.
+    """Refuse to attach to a live job of this unit's id that commits to another store.
 
     Job ids name the experiment, not the store: two deployments (staging and production, a copied
-    YAML) that run one experiment name on one cluster would otherwise take each other's jobs for
-    their own, and find no marker in their own store after a job that succeeded.
+    YAML) that run one experiment name on one cluster would otherwise take each other's running jobs
+    for their own. A finished one of another store only moves the attempt number on (a succeeded
+    one leaves no marker in this store, so the unit is submitted again).
 
     Raises:
         ConfigError: names the job and the fix.
     """
     mine = store_identity(config)
     for job in jobs:
-        if job.store is not None and job.store != mine:
+        if job.status in LIVE and job.store is not None and job.store != mine:
             raise ConfigError(
                 f"Ray job {job.submission_id} of unit {spec.label} commits to another store than this run's "
                 f"({config.storage.uri}): two deployments run experiment {spec.experiment!r} on this cluster; "

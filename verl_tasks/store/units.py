@@ -219,7 +219,12 @@ class UnitWriter:
         return winner, False
 
     def discard(self) -> None:
-        self.store.delete_prefix(f"{self.unit}/{ATTEMPTS}/{self.attempt}/")
+        """Delete this attempt's files (it lost the race, or was fenced). Files left behind are garbage
+        ``gc`` finds (no marker names them), so a failed delete is logged, never the outcome."""
+        try:
+            self.store.delete_prefix(f"{self.unit}/{ATTEMPTS}/{self.attempt}/")
+        except StoreError as err:
+            log.warning("could not delete the files of attempt %s of %s (gc will): %s", self.attempt, self.unit, err)
 
 
 def _fence_key(unit: str, attempt: str) -> str:
