@@ -13,6 +13,13 @@ from verl_tasks.store.units import UnitWriter, read_marker
 UNIT = "exp/epochs/00000/rollout/b0000"
 
 
+@pytest.fixture(autouse=True)
+def no_deferred_fsyncs_from_other_tests(monkeypatch):
+    """The deferred sets are process-wide: an earlier test's uncommitted attempt would show up here."""
+    monkeypatch.setattr(local, "_DEFERRED", set())
+    monkeypatch.setattr(local, "_DEFERRED_FILES", set())
+
+
 @pytest.fixture
 def synced(monkeypatch) -> list[Path]:
     """Every folder the local store fsyncs from now on, in order."""
