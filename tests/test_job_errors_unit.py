@@ -140,7 +140,7 @@ def test_a_live_job_of_the_same_unit_id_in_another_store_is_refused_not_joined(t
     import pytest
 
     from verl_tasks.errors import ConfigError
-    from verl_tasks.execution.ray_jobs import store_identity
+    from verl_tasks.execution import store_identity
 
     staging = tiny_config(f"file://{tmp_path}/staging")
     production = tiny_config(f"file://{tmp_path}/production")

@@ -425,3 +425,15 @@ def test_a_ray_driver_cancel_fences_through_the_tasks_own_store(tiny_config, tmp
     driver.cancel(running, "marked failed in the UI")
     unit = Layout(config.experiment).rollout(0, 1)
     assert fence_record(tasks_store, unit, running.attempt) is not None
+
+
+def test_two_stores_of_one_experiment_name_get_their_own_pool_actors(tiny_config, tmp_path):
+    """Staging and production running one experiment name on one cluster: one deployment's units must
+    not queue behind (or be cancelled with) the other's on a shared actor."""
+    from verl_tasks.execution.pool_shape import PoolShape
+
+    staging = PoolShape.for_phase(tiny_config(f"file://{tmp_path}/staging"), "rollout")
+    production = PoolShape.for_phase(tiny_config(f"file://{tmp_path}/production"), "rollout")
+    again = PoolShape.for_phase(tiny_config(f"file://{tmp_path}/staging/"), "rollout")  # the same store
+    assert staging.actor_name(0) != production.actor_name(0)
+    assert staging.actor_name(0) == again.actor_name(0)

@@ -5,7 +5,10 @@ Nothing here imports Airflow; ``ray`` is imported lazily by :mod:`ray_jobs`.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,4 +27,11 @@ class UnitSpec:
         return base if self.batch is None else f"{base}-b{self.batch}"
 
 
-__all__ = ["UnitSpec"]
+def store_identity(config: Any) -> str:
+    """A short digest of where an experiment commits (store URI without a trailing ``/``, and endpoint):
+    what tells apart two deployments that run one experiment name on one Ray cluster."""
+    where = json.dumps([config.storage.uri.rstrip("/"), (config.storage.endpoint_url or "").rstrip("/")])
+    return hashlib.sha256(where.encode()).hexdigest()[:16]
+
+
+__all__ = ["UnitSpec", "store_identity"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import verl_tasks
 from verl_tasks.config import ExperimentConfig, Resources
+from verl_tasks.execution import store_identity
 
 NAMESPACE = "verl-tasks"
 PREFIX = "vt:"  # ":" never occurs in an experiment name, so prefixes never overlap
@@ -55,6 +56,7 @@ class PoolShape:
     workers: int
     idle_release_s: float
     gpu_bundles: int = 0  # > 1: each actor holds a placement group of this many 1-GPU bundles (a sharded engine)
+    store: str = ""  # ``store_identity``: two deployments of one experiment name never share actors
 
     @classmethod
     def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
@@ -63,16 +65,19 @@ class PoolShape:
         A rollout engine sharded over ``tensor_parallel_size`` GPUs gets them as a placement group."""
         res: Resources = config.phase_resources(phase)
         if phase == "update" and res.distributed:
-            return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s)
+            return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s,
+                       store=store_identity(config))
         bundles = config.rollout.tensor_parallel_size if phase == "rollout" else 1
         shared = res.num_gpus == 0 and bundles == 1 and pool_kind(phase) != GATE_KIND
         kind = CPU_KIND if shared else pool_kind(phase)
         return cls(config.experiment, kind, res.num_cpus, res.num_gpus, res.memory_mb,
-                   tuple(sorted(res.custom.items())), res.workers, res.idle_release_s, bundles if bundles > 1 else 0)
+                   tuple(sorted(res.custom.items())), res.workers, res.idle_release_s, bundles if bundles > 1 else 0,
+                   store_identity(config))
 
     @property
     def digest(self) -> str:
-        body = json.dumps([self.num_cpus, self.num_gpus, self.memory_mb, self.custom, self.gpu_bundles], sort_keys=True)
+        body = json.dumps([self.num_cpus, self.num_gpus, self.memory_mb, self.custom, self.gpu_bundles, self.store],
+                          sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:8]
 
     @property

@@ -12,7 +12,8 @@ its process warm (torch imported, the policy loaded and keyed by the snapshot's
 sha256, the reward workers, the quality gate); the store stays the truth, so an
 actor that dies loses nothing but time.
 
-Names tie an actor to its experiment, the exact code and the resource shape::
+Names tie an actor to its experiment, the exact code and the resource shape (with the
+store it commits to, so two deployments of one experiment name never share actors)::
 
     vt:<experiment>:<kind>:<code fingerprint>:<shape digest>:<index>
 

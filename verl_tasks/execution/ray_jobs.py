@@ -24,8 +24,6 @@ storage through the Ray nodes' own credential chain.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
@@ -37,7 +35,7 @@ from typing import Any
 
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import ConfigError, VerlTasksError
-from verl_tasks.execution import UnitSpec
+from verl_tasks.execution import UnitSpec, store_identity
 from verl_tasks.secrets import is_secret_name
 
 log = logging.getLogger(__name__)
@@ -185,12 +183,6 @@ def normalise_address(address: str) -> str:
     if not re.match(r"^https?://", address):
         address = "http://" + address
     return address.rstrip("/")
-
-
-def store_identity(config: ExperimentConfig) -> str:
-    """A short digest of where the experiment commits (store URI without a trailing ``/``, and endpoint)."""
-    where = json.dumps([config.storage.uri.rstrip("/"), (config.storage.endpoint_url or "").rstrip("/")])
-    return hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
 def check_same_store(jobs: list["JobHandle"], config: ExperimentConfig, spec: UnitSpec) -> None:
