@@ -329,13 +329,15 @@ def test_gc_removes_fence_records_past_the_horizon_only(store):
     from verl_tasks.store.units import fence_attempt
 
     layout = Layout("exp")
-    unit = layout.rollout(0, 0)
-    fence_attempt(store, unit, "20261130T000000-aaaaaaaaaa", "cleared in the UI")
-    fenced = [k for k in store.list(unit + "/") if "/.fenced/" in k]
-    assert len(fenced) == 1
+    units = [layout.rollout(0, 0), layout.snapshot(1), layout.base_evaluate]  # any unit may be fenced
+    for unit in units:
+        fence_attempt(store, unit, "20261130T000000-aaaaaaaaaa", "cleared in the UI")
+    fenced = sorted(k for unit in units for k in store.list(unit + "/") if "/.fenced/" in k)
+    assert len(fenced) == 3
     assert collect(store, layout, older_than_s=3600).fence_records == []  # young: kept
     report = collect(store, layout, older_than_s=3600, now=time.time() + 7200)
-    assert report.fence_records == fenced and not [k for k in store.list(unit + "/") if "/.fenced/" in k]
+    assert report.fence_records == fenced
+    assert not [k for unit in units for k in store.list(unit + "/") if "/.fenced/" in k]
 
 
 def test_a_local_copy_is_a_hard_link_and_a_rewrite_of_the_source_leaves_it(tmp_path):

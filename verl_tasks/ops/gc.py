@@ -103,7 +103,8 @@ def collect(store: ObjectStore, layout: Layout, older_than_s: float, dry_run: bo
         report.attempts.append(prefix)
     report.temp_files = sorted(k for k, mtime in store.temp_files(layout.root + "/").items() if now - mtime > margin_s)
     # A fence outlives its attempt only to refuse a late commit; past the horizon that attempt is long dead.
-    report.fence_records = sorted(k for k, mtime in store.list_modified(layout.root + "/epochs/").items()
+    # Any unit may be fenced (a snapshot's, the base evaluation's too), not only an epoch's.
+    report.fence_records = sorted(k for k, mtime in store.list_modified(layout.root + "/").items()
                                   if f"/{FENCED}/" in k and mtime <= cutoff)
     if not dry_run:
         for prefix in report.attempts + report.tombstones:
