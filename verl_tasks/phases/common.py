@@ -20,7 +20,7 @@ import torch
 
 from verl_tasks import hooks as process_hooks
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.errors import AttemptFenced, IntegrityError, PhaseFailed, SafeMode
+from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import WEIGHTS
@@ -31,7 +31,7 @@ from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
 from verl_tasks.store.conventions import check_not_pruned, optimizer_state_id
-from verl_tasks.store.units import CommitRecord, UnitWriter, download, fence_record, quarantine, read_marker
+from verl_tasks.store.units import CommitRecord, UnitWriter, check_not_fenced, download, quarantine, read_marker
 from verl_tasks.tracking import track_commit
 
 log = logging.getLogger(__name__)
@@ -87,15 +87,6 @@ def check_not_halted(ctx: PhaseContext) -> None:
         raise SafeMode(halted_message(ctx.config.experiment, halted))
 
 
-def check_not_fenced(ctx: PhaseContext, unit: str) -> None:
-    """Refuse to start an attempt that was cancelled while it waited in an actor's queue: its commit
-    would be refused anyway, after the work."""
-    if ctx.attempt:
-        fence = fence_record(ctx.store, unit, ctx.attempt)
-        if fence is not None:
-            raise AttemptFenced(unit, ctx.attempt, str(fence.get("reason", "cancelled")))
-
-
 def committed(ctx: PhaseContext, unit: str) -> CommitRecord | None:
     """The unit's record; a corrupt marker is quarantined and read as absent (the unit is recomputed)."""
     try:
@@ -130,7 +121,8 @@ def run_unit(
         return existing
     check_not_halted(ctx)
     check_pinned(ctx.config, ctx.store)
-    check_not_fenced(ctx, unit)
+    # An attempt cancelled while it waited in an actor's queue: its commit would be refused anyway, after the work.
+    check_not_fenced(ctx.store, unit, ctx.attempt)
     set_determinism(ctx.config)
     writer = UnitWriter(ctx.store, unit, ctx.attempt)
     started = time.monotonic()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_tasks.errors import AttemptFenced, BatchesMissing, ValidationFailed
+from verl_tasks.errors import BatchesMissing, ValidationFailed
 from verl_tasks.events import record_event
 from verl_tasks.phases.common import PhaseContext, committed, require, run_unit
 from verl_tasks.quality.suites import Limits, summarize, validate_epoch
 from verl_tasks.store.conventions import read_skipped, write_skipped
-from verl_tasks.store.units import CommitRecord, UnitWriter, fence_record, read_jsonl
+from verl_tasks.store.units import CommitRecord, UnitWriter, check_not_fenced, read_jsonl
 
 
 def epoch_batches(ctx: PhaseContext, epoch: int) -> list[int]:
@@ -49,9 +49,8 @@ def settle_batches(ctx: PhaseContext, epoch: int) -> list[int]:
                f"to go on without them" if total > 1 else ""),
         )
     skipped = sorted(set(range(total)) - set(batches) | set(missing))
-    fence = fence_record(ctx.store, ctx.layout.validate(epoch), ctx.attempt) if ctx.attempt else None
-    if fence is not None:  # a cancelled validate must not decide, for good, which batches the epoch lacks
-        raise AttemptFenced(ctx.layout.validate(epoch), ctx.attempt, str(fence.get("reason", "cancelled")))
+    # A cancelled validate must not decide, for good, which batches the epoch lacks.
+    check_not_fenced(ctx.store, ctx.layout.validate(epoch), ctx.attempt)
     skipped = write_skipped(ctx.store, ctx.layout, epoch, skipped, total, ft.min_committed_batch_fraction)
     record_event(ctx.store, ctx.layout, "batches_skipped", unit=ctx.layout.skipped(epoch), epoch=epoch,
                  batches=skipped, min_committed_batch_fraction=ft.min_committed_batch_fraction)

@@ -190,15 +190,16 @@ class UnitWriter:
         Raises:
             StoreError: a listed file of this attempt is gone, so a marker would point at nothing.
         """
-        fence = fence_record(self.store, self.unit, self.attempt)
-        if fence is not None:
+        try:
+            check_not_fenced(self.store, self.unit, self.attempt)
+        except AttemptFenced:
             mine = read_marker(self.store, self.unit)
             if mine is not None and mine.attempt == self.attempt:
                 # Another copy of this attempt (a call Ray delivered twice) committed before the
                 # fence: its files are the unit's now, not this copy's to discard.
                 return mine, True
             self.discard()
-            raise AttemptFenced(self.unit, self.attempt, str(fence.get("reason", "cancelled")))
+            raise
         missing = self._missing_files()
         if missing and read_marker(self.store, self.unit) is None:
             raise StoreError(
@@ -247,6 +248,14 @@ def fence_record(store: ObjectStore, unit: str, attempt: str) -> dict[str, Any] 
         return None
     except ValueError:
         return {"reason": "fence record unreadable"}
+
+
+def check_not_fenced(store: ObjectStore, unit: str, attempt: str | None) -> None:
+    """Raise ``AttemptFenced`` when ``attempt`` of ``unit`` was cancelled (None: an unnamed inline attempt,
+    which nothing fences)."""
+    fence = fence_record(store, unit, attempt) if attempt else None
+    if fence is not None:
+        raise AttemptFenced(unit, attempt, str(fence.get("reason", "cancelled")))
 
 
 def read_bytes(store: ObjectStore, record: CommitRecord, name: str, verify: bool = True) -> bytes:
