@@ -98,18 +98,12 @@ def _alive(info: HeadInfo) -> bool:
     only a pid, so it counts as not alive: see :func:`_forget`.
     """
     pid = info.pid
-    try:  # a head this process started and that exited is a zombie until reaped: kill(pid, 0) still succeeds
+    try:  # a head this process started and that exited is a zombie until reaped: its /proc entry stays
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
     except ChildProcessError:  # not our child
         pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return info.started is not None and start_time(pid) == info.started
+    return info.started is not None and start_time(pid) == info.started  # None: no such process
 
 
 def _forget(path: Path, info: HeadInfo) -> None:
