@@ -52,7 +52,6 @@ from verl_tasks.layout import Layout
 log = logging.getLogger(__name__)
 BACKENDS = ("ray", "ray-driver", "inline")
 _EPOCH_TASK = re.compile(r"^epoch_(\d+)\.")
-TRIGGER_FAIL = "__fail__"  # the next_method Airflow resumes a failed or timed-out deferral with
 
 
 def default_backend() -> str:
@@ -351,9 +350,9 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         """A deferral past ``execution_timeout`` comes back as ``__fail__``, and Airflow calls no
         ``on_kill`` for it: stop the unit's live Ray jobs first (their drivers fence the attempt), so a
         timed-out attempt neither runs on holding its resources nor commits later."""
-        from airflow.sdk.bases.operator import TriggerFailureReason
+        from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR, TriggerFailureReason
 
-        timed_out = (next_method == TRIGGER_FAIL
+        timed_out = (next_method == TRIGGER_FAIL_REPR
                      and (next_kwargs or {}).get("error") == TriggerFailureReason.TRIGGER_TIMEOUT)
         if timed_out and self.backend == "ray":  # a failed trigger (not a timeout) leaves the job to its retry
             self._stop_live_jobs(context)
