@@ -1,17 +1,25 @@
 """The local Ray head's ``head.json`` names its pid *and* that pid's start time: after a reboot or an
 OOM kill the pid may belong to another process, which must never be taken for the head nor signalled.
-No Ray is started: a ``sleep`` in its own session stands in for the process that reused the pid."""
+No Ray is started there: a ``sleep`` in its own session stands in for the process that reused the pid.
+
+The head offers the machine's GPUs unless told a count: real heads, on this machine (no GPU) and on
+"a machine with 2 GPUs" (a stand-in NVML library, which is all Ray's count reads), are asked what they offer.
+"""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.conftest import ROOT
 from verl_tasks.execution import local_head
 
 
@@ -111,3 +119,105 @@ def test_what_a_dead_leader_left_of_its_head_is_killed_only_within_its_boot(tmp_
             os.kill(member, 9)
         except ProcessLookupError:
             pass
+
+
+# What a machine with $STAND_IN_GPUS NVIDIA GPUs answers to the NVML calls Ray's GPU count makes;
+# nothing else (an unknown symbol is NVML's "function not found", which Ray's callers handle).
+STAND_IN_NVML = r"""
+#include <stdlib.h>
+#include <string.h>
+int nvmlInit_v2(void) { return 0; }
+int nvmlInitWithFlags(unsigned int flags) { return 0; }
+int nvmlShutdown(void) { return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *count) { *count = atoi(getenv("STAND_IN_GPUS")); return 0; }
+int nvmlDeviceGetHandleByIndex_v2(unsigned int i, void **handle) { *handle = (void *)(size_t)(i + 1); return 0; }
+int nvmlDeviceGetName(void *handle, char *name, unsigned int length) { strncpy(name, "NVIDIA H200", length); return 0; }
+const char *nvmlErrorString(int result) { return "unsupported by the stand-in NVML"; }
+"""
+
+
+@pytest.fixture(scope="module")
+def two_gpu_machine(tmp_path_factory) -> dict[str, str]:
+    """The environment under which a process sees a machine with 2 GPUs through NVML (a stand-in
+    ``libnvidia-ml.so.1`` first on the library path); CUDA itself stays absent."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in NVML library")
+    folder = tmp_path_factory.mktemp("nvml")
+    (folder / "nvml.c").write_text(STAND_IN_NVML)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / "libnvidia-ml.so.1"), str(folder / "nvml.c")],
+                   check=True)
+    return {"LD_LIBRARY_PATH": os.pathsep.join(p for p in (str(folder), os.environ.get("LD_LIBRARY_PATH")) if p),
+            "STAND_IN_GPUS": "2"}
+
+
+@pytest.mark.parametrize("machine, env, offered", [
+    ("this", {}, 0),
+    ("two-gpus", {"CUDA_VISIBLE_DEVICES": "1"}, 1),  # how a user narrows the head of `verl-tasks run --backend ray`
+], ids=["this-machine", "two-gpu-machine-one-visible"])
+def test_the_head_offers_the_machines_gpus(machine, env, offered, tmp_path, request, caplog):
+    """``start`` without a count, as ``verl-tasks run --backend ray`` starts its own head (the whole
+    2-GPU machine: :func:`test_backend_ray_refuses_gpus_its_own_head_does_not_offer`)."""
+    from tests.test_pools import join_loopback_head
+    from verl_tasks.execution.cli_cluster import _free_ports
+
+    if machine == "this" and Path("/proc/driver/nvidia").exists():
+        pytest.skip("this machine has an NVIDIA driver: the stand-in machine checks the count")
+    state = local_head.private_dir(tmp_path / "ray-head")
+    port, dashboard = _free_ports()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {**(request.getfixturevalue("two_gpu_machine") if machine == "two-gpus" else {}),
+                           **env}.items():
+            mp.setenv(key, value)
+        info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=1, dashboard=False)
+        try:
+            join_loopback_head(mp, info)
+            with caplog.at_level("INFO", logger=local_head.__name__):
+                resources = local_head.wait_for_node(info)
+        finally:
+            local_head.stop(state, timeout_s=0)
+    assert resources.get("GPU", 0) == offered, resources
+    assert f"offers 1 CPUs and {offered} GPUs" in caplog.text
+
+
+def test_an_explicit_gpu_count_is_offered_as_given(two_gpu_machine, tmp_path):
+    """``python -m verl_tasks.execution.local_head start --num-gpus 3`` (``make airflow``/``make demo`` start it
+    so) on the 2-GPU machine: the head offers 3 logical GPUs and says so."""
+    from verl_tasks.execution.cli_cluster import _free_ports
+
+    state = tmp_path / "ray-head"
+    port, dashboard = _free_ports()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env.update(two_gpu_machine)
+    head = [sys.executable, "-m", "verl_tasks.execution.local_head"]
+    try:
+        started = subprocess.run([*head, "start", "--state-dir", str(state), "--port", str(port), "--dashboard-port",
+                                  str(dashboard), "--num-cpus", "1", "--num-gpus", "3"],
+                                 env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    finally:
+        subprocess.run([*head, "stop", "--state-dir", str(state)], env=env, cwd=ROOT, capture_output=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    assert "offers 1 CPUs and 3 GPUs" in started.stderr, started.stderr
+
+
+def test_backend_ray_refuses_gpus_its_own_head_does_not_offer(two_gpu_machine, tmp_path):
+    """``verl-tasks run --backend ray`` on the 2-GPU machine, its rollout asking for 4: the head it starts
+    offers the machine's 2 GPUs, and the run stops at once, naming the setting, instead of waiting forever
+    for a worker Ray cannot place."""
+    from tests.conftest import small_overrides, write_yaml
+
+    yaml_path = write_yaml(tmp_path, small_overrides(epochs=1, **{"resources.rollout.num_gpus": 4}))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env.update(two_gpu_machine, COLUMNS="1000")
+    run = subprocess.Popen([sys.executable, "-m", "verl_tasks.cli", "run", str(yaml_path), "--store",
+                            f"file://{tmp_path}/store", "--backend", "ray"],
+                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = run.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        run.terminate()  # the CLI stops its own head on SIGTERM
+        out = run.communicate(timeout=60)[0] + "\n(still running after 120 s: stopped)"
+    said = " ".join(out.split())
+    assert run.returncode == 2, said[-3000:]
+    assert "CPUs and 2 GPUs" in said, said
+    assert "resources.rollout.num_gpus: 4, but the local Ray head offers 2 GPUs" in said, said

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from .vt_faults import FAULTS_ENV, unit_name
 
@@ -31,6 +32,13 @@ def kill_update_worker(plan_dir: Path, experiment: str, epoch: int, rank: int) -
     flag = Path(plan_dir) / f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}"
     flag.write_text("kill\n")
     return flag.with_suffix(".killed")
+
+
+def record_update_nodes(plan_dir: Path, experiment: str, epoch: int) -> Callable[[int], Path]:
+    """Have each update worker of the unit's attempts record its Ray node; returns rank -> the file it writes."""
+    name = unit_name(experiment, "update", epoch)
+    (Path(plan_dir) / f"{name}.record-nodes").write_text("record\n")
+    return lambda rank: Path(plan_dir) / f"{name}.rank{rank}.node"
 
 
 def hold(plan_dir: Path, experiment: str, epoch: int, batch: int) -> Path:

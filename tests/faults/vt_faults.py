@@ -11,13 +11,16 @@ plan is files in that folder, written by the test while those processes run:
   policy and waits there, before generating, until the test removes the hold file;
 * ``<experiment>.e<epoch>-update.kill-rank<r>``: update worker ``r`` (a Ray Train worker) kills
   itself with SIGKILL in the middle of its first optimizer step (forward done, gradients not yet
-  reduced); the file becomes ``.killed``, so exactly one worker of one attempt dies.
+  reduced); the file becomes ``.killed``, so exactly one worker of one attempt dies;
+* ``<experiment>.e<epoch>-update.record-nodes``: each update worker writes its Ray node id and
+  PID to ``<experiment>.e<epoch>-update.rank<r>.node`` (JSON) at its first step: where it ran.
 
 ``label`` is :attr:`verl_tasks.execution.UnitSpec.label`, e.g. ``e0-rollout-b1``. This module is
 imported by top-level name in those processes, so it imports nothing from ``tests``.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -84,6 +87,19 @@ def kill_update_worker(*, experiment: str, epoch: int, rank: int, **_: Any) -> N
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def record_update_node(*, experiment: str, epoch: int, rank: int, **_: Any) -> None:
+    """``update_worker_step`` hook: say once which Ray node and process update worker ``rank`` runs in."""
+    folder = _folder()
+    name = unit_name(experiment, "update", epoch)
+    if folder is None or not (folder / f"{name}.record-nodes").exists():
+        return
+    out = folder / f"{name}.rank{rank}.node"
+    if not out.exists():
+        import ray
+
+        out.write_text(json.dumps({"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}))
+
+
 def install() -> None:
     """Register the hooks in this process (child processes that fork inherit them)."""
     from verl_tasks import hooks
@@ -91,3 +107,4 @@ def install() -> None:
     hooks.register("unit_start", fail_once)
     hooks.register("rollout_generate", hold)
     hooks.register("update_worker_step", kill_update_worker)
+    hooks.register("update_worker_step", record_update_node)

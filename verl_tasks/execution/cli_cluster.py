@@ -1,7 +1,8 @@
 """``verl-tasks run --backend ray``: drive the units through the worker pools from this process.
 
 Without ``--ray-address`` a local head is started for the run (its own token,
-temp folder and ports, sized for the pools) and stopped afterwards; with one,
+temp folder and ports, CPUs sized for the pools, the machine's GPUs; ``CUDA_VISIBLE_DEVICES``
+narrows them) and stopped afterwards; with one,
 this process joins that cluster as a driver. Either way the units go to the
 same pools the Airflow path uses, so inline and Ray runs compare on the same work.
 """
@@ -30,6 +31,25 @@ def cpus_needed(config: ExperimentConfig) -> int:
     from verl_tasks.execution.pool_shape import cpus_for
 
     return max(os.cpu_count() or 1, int(cpus_for(config) + 0.999))
+
+
+def check_gpus(config: ExperimentConfig, offered: float) -> None:
+    """Refuse an experiment one of whose workers needs more GPUs than the run's own head offers: Ray would
+    leave that worker pending and the run would wait for it forever.
+
+    Raises:
+        ConfigError: naming each such phase and what the head offers.
+    """
+    from verl_tasks.errors import ConfigError
+    from verl_tasks.phase_registry import PHASE_NAMES
+
+    needs = {phase: config.phase_resources(phase).num_gpus for phase in PHASE_NAMES}
+    short = {phase: gpus for phase, gpus in needs.items() if gpus > offered}
+    if short:
+        wanted = ", ".join(f"resources.{phase}.num_gpus: {gpus:g}" for phase, gpus in short.items())
+        raise ConfigError(f"{wanted}, but the local Ray head offers {offered:g} GPUs (those Ray found on this "
+                          f"machine, within CUDA_VISIBLE_DEVICES); lower them (0: the CPU), or pass --ray-address "
+                          f"of a cluster that has the GPUs")
 
 
 def _free_ports() -> tuple[int, int]:
@@ -84,7 +104,7 @@ def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,
         if info is not None:
             from verl_tasks.execution import local_head
 
-            local_head.wait_for_node(info)
+            check_gpus(config, local_head.wait_for_node(info).get("GPU", 0))
         _connect_when_ready(pools, ray_address)
         stack.callback(ray.shutdown)
         if info is not None:
@@ -113,4 +133,4 @@ def _connect_when_ready(pools: Any, address: str, timeout_s: float = 90) -> None
             time.sleep(0.5)
 
 
-__all__ = ["connect", "cpus_needed"]
+__all__ = ["check_gpus", "connect", "cpus_needed"]

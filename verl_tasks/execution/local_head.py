@@ -1,6 +1,7 @@
-"""Start and stop a project-local Ray head (CPU) that never touches other Ray processes.
+"""Start and stop a project-local Ray head that never touches other Ray processes.
 
     python -m verl_tasks.execution.local_head start [--state-dir .ray-head] [--port 6399] [--dashboard-port 8275]
+                                                    [--num-gpus N]
     python -m verl_tasks.execution.local_head stop  [--state-dir .ray-head]
     python -m verl_tasks.execution.local_head env   [--state-dir .ray-head]   # shell exports for clients and drivers
 
@@ -12,6 +13,11 @@ SIGTERM to that process group leader and waits. A PID whose start time differs (
 head died, e.g. a reboot or an OOM kill, and the PID went to another process) is not
 the head: it is never signalled, and its ``head.json`` is deleted. ``ray stop`` is
 never used: it kills every Ray process on the machine by name.
+
+The head offers the machine's GPUs unless told a count: Ray counts them itself (through NVML,
+without initialising CUDA, and no more than ``CUDA_VISIBLE_DEVICES`` lists), as ``ray start``
+does on every node of a real cluster. An explicit count is offered as given: on a machine
+without CUDA those are logical GPUs, which Ray still places actors on (tests use them).
 """
 from __future__ import annotations
 
@@ -202,18 +208,20 @@ def _gcs_listening(info: HeadInfo, timeout_s: float) -> None:
 
 
 def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = LOGICAL_CPUS,
-          num_gpus: int = 0, cwd: Path | None = None, timeout_s: float = 90, dashboard: bool = True) -> HeadInfo:
+          num_gpus: int | None = None, resources: dict[str, float] | None = None, cwd: Path | None = None,
+          timeout_s: float = 90, dashboard: bool = True) -> HeadInfo:
     """Start the head (or return the running one) and wait until its Jobs API answers.
 
     Workers start in ``cwd`` (default: the state folder), where relative paths resolve.
-    ``num_gpus`` are logical GPUs: on a machine without CUDA, Ray still places actors that
-    reserve them (and sets their ``CUDA_VISIBLE_DEVICES``), which tests placement.
+    ``num_gpus``: None offers the machine's GPUs (Ray counts them); a number is offered as
+    given (logical GPUs on a machine without CUDA: Ray still places actors that reserve them
+    and sets their ``CUDA_VISIBLE_DEVICES``). ``resources``: custom resources the node offers.
     ``dashboard=False`` (a head only drivers use, e.g. ``verl-tasks run --backend ray``) starts
     without the dashboard and its Jobs API, about half the start-up on 2 cores; it is then
     ready when its GCS port accepts connections (see :func:`wait_for_node` for a driver).
     """
     info = launch(state_dir, port=port, dashboard_port=dashboard_port, num_cpus=num_cpus, num_gpus=num_gpus,
-                  cwd=cwd, dashboard=dashboard)
+                  resources=resources, cwd=cwd, dashboard=dashboard)
     try:
         _ready(info, timeout_s) if dashboard else _gcs_listening(info, timeout_s)
     except Exception:
@@ -223,7 +231,8 @@ def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_
 
 
 def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = LOGICAL_CPUS,
-           num_gpus: int = 0, cwd: Path | None = None, dashboard: bool = True) -> HeadInfo:
+           num_gpus: int | None = None, resources: dict[str, float] | None = None, cwd: Path | None = None,
+           dashboard: bool = True) -> HeadInfo:
     """Spawn the head (or find the running one) and return at once: the caller works while it boots."""
     state_dir = private_dir(Path(state_dir).resolve())
     running = read_info(state_dir)
@@ -246,7 +255,7 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
     env.pop("RAY_ADDRESS", None)
     log_file = state_dir / "head.log"
     cmd = [
-        str(Path(bin_dir) / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
+        str(Path(bin_dir) / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}",
         f"--port={port}", f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
         "--node-ip-address=127.0.0.1", f"--include-dashboard={str(dashboard).lower()}", "--disable-usage-stats",
         f"--temp-dir={tmpdir}",
@@ -255,6 +264,10 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
         f"--metrics-export-port={dashboard_port + 3}", f"--runtime-env-agent-port={dashboard_port + 4}",
         f"--ray-client-server-port={port + 1}",
     ]
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    if resources:
+        cmd.append(f"--resources={json.dumps(resources)}")
     if not dashboard:
         # A head only drivers use needs no autoscaler monitor, and no log monitor (its drivers take each
         # unit's log lines from the unit's result, never from Ray's log stream): two Python processes
@@ -269,10 +282,15 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
     return info
 
 
-def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> None:
+def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
     """Until the head's node is alive in its GCS, checked every 0.1 s: ``ray.init`` on a head still
     starting finds no node and sleeps a whole second per try. Needs the head's token in this process's
-    environment (``client_env``/``driver_env``), as a driver does."""
+    environment (``client_env``/``driver_env``), as a driver does.
+
+    Returns:
+        What the head's node offers (``CPU``, ``GPU`` when it has any, custom resources, ...),
+        also logged: a GPU pool waits forever on a head that offers no GPUs.
+    """
     from ray._raylet import GcsClient
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
@@ -282,8 +300,13 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> None:
     while time.monotonic() < deadline:
         if not _alive(info):
             raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
-        if client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE):
-            return
+        nodes = client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values()
+        head = next((node for node in nodes if node.is_head_node), None)
+        if head is not None:
+            offered = dict(head.resources_total)
+            log.info("ray head at %s offers %g CPUs and %g GPUs", info.gcs_address, offered.get("CPU", 0),
+                     offered.get("GPU", 0))
+            return offered
         time.sleep(0.1)
     raise TimeoutError(f"ray head at {info.gcs_address} has no live node after {timeout_s}s; see {info.log_file}")
 
@@ -328,16 +351,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=6399)
     parser.add_argument("--dashboard-port", type=int, default=8275)
     parser.add_argument("--num-cpus", type=int, default=LOGICAL_CPUS)
+    parser.add_argument("--num-gpus", type=int, default=None,
+                        help="GPUs the head offers (default: the machine's, as Ray counts them)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     state = Path(args.state_dir)
     if args.action == "start":
         started = time.monotonic()
+        os.environ["RAY_AUTH_MODE"] = "token"  # read when Ray is imported (start does): to ask the GCS what it offers
         try:
-            info = start(state, port=args.port, dashboard_port=args.dashboard_port, num_cpus=args.num_cpus)
+            info = start(state, port=args.port, dashboard_port=args.dashboard_port, num_cpus=args.num_cpus,
+                         num_gpus=args.num_gpus)
         except UnsafeStateDir as err:
             log.error("%s", err)
             return 2
+        os.environ.update(info.client_env())
+        wait_for_node(info)
         log.info("ray head pid %d at %s (ready in %.1fs)", info.pid, info.address, time.monotonic() - started)
     elif args.action == "stop":
         log.info("ray head stopped" if stop(state) else "no ray head was running")

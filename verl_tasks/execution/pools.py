@@ -129,7 +129,8 @@ class PoolWorker:
     @ray.method(concurrency_group="control")
     def state(self) -> dict[str, Any]:
         return {"busy": self._busy, "idle_s": time.monotonic() - self._last_used, "kind": self.kind,
-                "fingerprint": self.fingerprint, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+                "fingerprint": self.fingerprint, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id()}
 
     @ray.method(concurrency_group="control")
     def retire(self) -> None:
