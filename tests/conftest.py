@@ -14,6 +14,8 @@ TINY_YAML = ROOT / "dags" / "experiments" / "tiny_arith.yaml"
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing-key-id")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing-secret-value")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# This machine reaches no model hub: a lookup fails at once instead of retrying (the package itself sets nothing).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def free_port() -> int:

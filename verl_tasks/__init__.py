@@ -1,18 +1,8 @@
-"""verl-tasks: RL post-training of language models as idempotent, fault-tolerant tasks."""
-import os as _os
+"""verl-tasks: RL post-training of language models as idempotent, fault-tolerant tasks.
 
-# Quiet, reproducible library defaults; a user's explicit setting wins.
-for _key, _value in {
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "TOKENIZERS_PARALLELISM": "false",
-    "GX_ANALYTICS_ENABLED": "False",
-    "HF_HUB_OFFLINE": "1",
-    # numpy/scipy's own BLAS/OpenMP pools (Great Expectations imports them) at one thread: torch's pool is
-    # set per unit from `torch_threads`; two runtimes' spinning threads made a torch step of the tiny model
-    # 0.03 s -> 0.9-1.9 s on 2 busy cores (Ray sets the same for its workers).
-    "OMP_NUM_THREADS": "1",
-}.items():
-    _os.environ.setdefault(_key, _value)
+Importing the package changes nothing in the process: Airflow's scheduler, DAG processor and
+api-server import it too. What a library needs is set where that library is used (see
+``verl_tasks.quiet`` for the command line's own process).
+"""
 
 __version__ = "0.1.0"

@@ -441,6 +441,9 @@ def main() -> None:
     folders) and the output streams are flushed. An exception that escapes the command
     takes the usual path (traceback, normal exit).
     """
+    from verl_tasks.quiet import quiet_own_process
+
+    quiet_own_process()
     try:
         app()
     except SystemExit as done:

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", action="store_true",
                         help="run the unit on the phase's worker pool instead of in this process")
     args = parser.parse_args(argv)
+    from verl_tasks.quiet import quiet_own_process
+
+    quiet_own_process()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("botocore", "urllib3", "s3transfer", "great_expectations", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

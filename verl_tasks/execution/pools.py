@@ -80,6 +80,9 @@ class PoolWorker:
     """Runs one unit at a time (``run`` calls wait in Ray's queue); answers ``state`` and ``retire`` meanwhile."""
 
     def __init__(self, kind: str, idle_release_s: float) -> None:
+        from verl_tasks.quiet import quiet_own_process
+
+        quiet_own_process()
         import verl_tasks.runner  # noqa: F401 - import the heavy modules once, now
 
         if kind == GATE_KIND:

@@ -44,6 +44,11 @@ class Limits:
 def _gx():
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     import great_expectations as gx
+    from threadpoolctl import threadpool_limits
+
+    # numpy's BLAS (GE computes with it) at one thread in a process that trains with torch's own pool:
+    # both runtimes' spinning threads on 2 busy cores made a tiny-model torch step 0.03 s -> 0.9-1.9 s.
+    threadpool_limits(limits=1, user_api="blas")
 
     # GE logs "Created temporary directory ... ephemeral docs site" at INFO for every context, from a
     # logger whose own level GE sets on import (so the parent's level alone does not silence it).
