@@ -86,6 +86,17 @@ def test_retry_attaches_then_next_attempt(ray_head, tmp_path):
     assert done.status == "SUCCEEDED" and not done.submitted
 
 
+def test_a_job_that_reserved_no_gpu_sees_none(ray_head, tmp_path):
+    """Without pools the unit runs in the job's own process, which Ray leaves every GPU of its node
+    unless it reserved some: one that reserved none is given ``CUDA_VISIBLE_DEVICES=""``."""
+    backend = _backend(ray_head, pool=False)
+    cfg = load_config(TINY, {"experiment": "rb-gpu", "storage.uri": f"file://{tmp_path}/store"})
+    job = backend.submit(cfg, UnitSpec("rb-gpu", "plan", 0))
+    assert backend.wait(job.submission_id, timeout_s=300) == "SUCCEEDED", backend.logs(job.submission_id)[-3000:]
+    info = backend.client.get_job_info(job.submission_id)
+    assert info.runtime_env["env_vars"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
 def test_deterministic_job_error_fails_the_task_without_retries(client_env):
     from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 

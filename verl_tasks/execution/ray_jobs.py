@@ -341,6 +341,10 @@ class RayJobBackend:
         job_id = submission_id(spec, number)
         resources = config.phase_resources(spec.phase)
         runtime_env: dict[str, Any] = {"env_vars": public_env({**self.env, **(env or {})})}
+        if not self.pool and not resources.num_gpus:
+            # A job that reserved no GPU must not see one: Ray leaves a job's entrypoint every GPU of
+            # its node unless it reserved some, and model.device auto would take one another unit holds.
+            runtime_env["env_vars"]["CUDA_VISIBLE_DEVICES"] = ""
         try:
             self._submit_job(
                 job_id,
