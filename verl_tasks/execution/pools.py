@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 import ray
 
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.execution import UnitSpec
+from verl_tasks.execution import UnitSpec, store_identity
 from verl_tasks.execution.heap import freeze_after_imports
 from verl_tasks.execution.pool_shape import (GATE_KIND, NAMESPACE, PREFIX, PoolShape, code_fingerprint,
                                              experiment_shapes, pool_kind)
@@ -211,7 +211,7 @@ def release_experiment(experiment: str) -> list[str]:
     return names
 
 
-_started: set[str] = set()
+_started: set[tuple[str, str]] = set()  # (experiment, store identity): its pools were started by this process
 
 
 def start_cpu_pools(config: ExperimentConfig) -> None:
@@ -221,9 +221,10 @@ def start_cpu_pools(config: ExperimentConfig) -> None:
     runs side by side, and beside the first units, instead of each in turn before its first
     unit. GPU pools start with their first unit: an idle one would hold GPUs another pool waits for.
     """
-    if config.experiment in _started:
+    key = (config.experiment, store_identity(config))  # pool names carry the store: another store, other pools
+    if key in _started:
         return
-    _started.add(config.experiment)
+    _started.add(key)
     for shape in sorted(experiment_shapes(config), key=lambda s: s.kind):
         if shape.num_gpus == 0 and not shape.gpu_bundles:
             pool_actors(shape)
