@@ -137,13 +137,17 @@ def main() -> None:
 START, END = "<!-- make bench: generated from here -->", "<!-- make bench: generated up to here -->"
 
 
-def replace_generated(document: str, generated: str) -> str:
-    """The document with its generated block replaced; the sections written by hand (each with the
-    command that produced it) are kept. A document without the block gets it at the top."""
-    block = f"{START}\n{generated.rstrip()}\n{END}\n"
-    if START in document and END in document:
-        head, rest = document.split(START, 1)
-        return head + block + "\n" + rest.split(END, 1)[1].lstrip("\n")
+def replace_generated(document: str, generated: str, owner: str = "make bench") -> str:
+    """The document with ``owner``'s generated block replaced; the sections written by hand (each with
+    the command that produced it) and other owners' blocks are kept. A document without the block gets
+    it at the top (``make bench``'s) or at the end (any other script's section)."""
+    start, end = f"<!-- {owner}: generated from here -->", f"<!-- {owner}: generated up to here -->"
+    block = f"{start}\n{generated.rstrip()}\n{end}\n"
+    if start in document and end in document:
+        head, rest = document.split(start, 1)
+        return head + block + "\n" + rest.split(end, 1)[1].lstrip("\n")
+    if owner != "make bench":
+        return (document.rstrip("\n") + "\n\n" if document else "") + block
     return block + ("\n" + document if document else "")
 
 

@@ -1,22 +1,37 @@
-"""Peak memory per update worker: one ddp worker vs two fsdp2 workers, on a ~0.5B-parameter model.
+"""Peak memory of the update phase on SmolLM2-135M-Instruct at two batch sizes; written into BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/update_memory.py [--steps 1] [--seq 32] [--batch 2] [--json out.json]
+    .venv/bin/python benchmarks/update_memory.py [--batches 64 256] [--micro-batch-size 4 ...] [--whole]
+                                                 [--before CHECKOUT] [--output BENCHMARKS.md]
 
-The model is Qwen2.5-0.5B's shape (24 layers, hidden 896, vocabulary 151,936, tied embeddings;
-494M parameters) built from a config with random weights (nothing is downloaded), saved once as
-an HF folder. Each variant runs the update's own code in fresh processes: ``1-ddp`` the one-process
-path (``load_policy``, AdamW, ``train_single``, ``save_policy`` + ``save_optimizer``), ``2-fsdp2``
-two Ray Train workers (``train.worker.build``: meta init and each worker's rows only, AdamW,
-``train_steps``, ``write_full_weights`` streamed by rank 0, one optimizer shard per rank). Peak RSS
-is each process's ``ru_maxrss``; "before" is its RSS once imports are done, so the model's share is
-the difference (a Ray worker imports more than a plain process).
+The model is the HF folder ``.models/smollm2-135m-instruct`` (``verl-tasks model import-gguf
+.models/smollm2-135m-instruct``; 134.5M parameters, vocabulary 49,152, tied embeddings, float32).
+Per batch size, a setup process prepares a local store up to epoch 1's update: the experiment is
+pinned and its base snapshot written by ``prepare``, each epoch planned by ``plan`` and gated by
+``validate`` (all real), its rollout batches and scores written directly (synthetic: 64 prompt
+tokens and 12 response tokens per sample, drawn at random, scores 0 or 1; no generation runs),
+and epoch 0 updated and snapshotted (real). Then a fresh process runs epoch 1's update
+(``run_phase(ctx, "update", 1)``: load policy 1 and its AdamW state, the base as KL reference,
+the old and reference log-prob passes, AdamW over minibatches of 64, write the weights and the
+optimizer state, commit) and reports its peak RSS (``ru_maxrss``) and its RSS before the phase.
+Epoch 1, not 0: epoch 0 starts without optimizer state, so an epoch of one optimizer step (64
+sequences) would never hold the AdamW moments and a micro-batch's activations at once.
+
+Rows: this checkout with ``resources.update.micro_batch_size`` set; with ``--whole`` also without
+it (chunked log-probs, a whole minibatch per forward/backward); with ``--before``, the same store
+updated by another checkout's code (e.g. ``git archive`` of the commit before micro-batches and
+chunked log-probs: ``[B, L, V]`` logits, whole-batch frozen passes). The section between this
+script's markers in ``--output`` is replaced.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import platform
+import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,11 +39,68 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-CONFIG = ROOT / "dags" / "experiments" / "tiny_arith.yaml"
-QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
-                tie_word_embeddings=True, rope_theta=1000000.0)
+MODEL = ROOT / ".models" / "smollm2-135m-instruct"
+PROMPT_TOKENS, RESPONSE_TOKENS, GROUP, PROMPTS_PER_BATCH = 64, 12, 4, 16
+OWNER = "benchmarks/update_memory.py"
+
+
+def overrides(store: Path, batch: int, micro: int | None) -> dict:
+    """The measured experiment: SmolLM2 in float32, GRPO with a KL term, minibatches of 64 sequences."""
+    out = {"experiment": f"smollm2-update-{batch}", "storage.uri": f"file://{store}", "model.source": "hf",
+           "model.name_or_path": str(MODEL), "model.dtype": "float32", "epochs": 2, "data.train_size": 400,
+           "data.eval_size": 20, "data.max_prompt_tokens": 256, "rollout.max_new_tokens": RESPONSE_TOKENS,
+           "rollout.prompts_per_batch": PROMPTS_PER_BATCH,
+           "rollout.batches_per_epoch": batch // (GROUP * PROMPTS_PER_BATCH), "algorithm.group_size": GROUP,
+           "algorithm.minibatch_size": 64, "algorithm.lr": 5e-6,
+           "algorithm.kl_type": "low_var_kl", "algorithm.kl_coef": 0.001}
+    if micro is not None:
+        out["resources.update.micro_batch_size"] = micro
+    return out
+
+
+def context(store: Path, batch: int, micro: int | None):
+    from verl_tasks.config import load_config
+    from verl_tasks.runner import make_context
+
+    return make_context(load_config(ROOT / "dags" / "experiments" / "tiny_arith.yaml", overrides(store, batch, micro)))
+
+
+def prepare_store(store: Path, batch: int) -> None:
+    """Setup process: epoch 0 up to its snapshot, epoch 1 up to its update (synthetic rollouts and scores)."""
+    from verl_tasks.runner import run_phase
+
+    ctx = context(store, batch, 8)
+    synthetic_epoch(ctx, 0, batch)
+    run_phase(ctx, "update", 0)
+    run_phase(ctx, "snapshot", 0)
+    synthetic_epoch(ctx, 1, batch)
+
+
+def synthetic_epoch(ctx, epoch: int, batch: int) -> None:
+    """Plan the epoch (real), write its rollout batches and scores (synthetic), validate them (real)."""
+    from verl_tasks.runner import run_phase
+    from verl_tasks.store.units import UnitWriter, read_json, read_marker
+
+    run_phase(ctx, "plan", epoch)
+    planned = read_json(ctx.store, read_marker(ctx.store, ctx.layout.plan(epoch)), "plan.json")
+    rng = random.Random(f"{batch}/{epoch}")
+    vocab = json.loads((MODEL / "config.json").read_text())["vocab_size"]
+    for b, spec in enumerate(planned["batches"]):
+        samples, scores = [], []
+        for prompt_id in spec["prompt_ids"]:
+            prompt = [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
+            for i in range(GROUP):
+                sid = f"e{epoch:05d}-b{b:04d}-{prompt_id}-s{i:02d}"
+                samples.append({"sample_id": sid, "prompt_id": prompt_id, "prompt_ids": prompt,
+                                "response_ids": [rng.randrange(vocab) for _ in range(RESPONSE_TOKENS)],
+                                "response": "synthetic", "finished": False, "policy_version": epoch})
+                scores.append({"sample_id": sid, "score": float(rng.random() < 0.5)})
+        for unit, name, rows in ((ctx.layout.rollout(epoch, b), "samples.jsonl", samples),
+                                 (ctx.layout.score(epoch, b), "scores.jsonl", scores)):
+            writer = UnitWriter(ctx.store, unit)
+            writer.write_jsonl(name, rows)
+            writer.commit({"samples": len(rows), "synthetic": True})
+    run_phase(ctx, "validate", epoch)
 
 
 def rss_mib() -> float:
@@ -36,144 +108,126 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def measure_update(store: Path, batch: int, micro: int | None) -> dict:
+    """Child process: epoch 1's update phase; its memory and time."""
+    from verl_tasks.runner import run_phase
 
-
-def make_model(folder: Path) -> int:
-    """A random-weight Qwen2-shaped policy folder (run in a child process, so its memory is returned)."""
-    code = (
-        "import sys, torch; from transformers import Qwen2Config, Qwen2ForCausalLM; "
-        "from verl_tasks.models.tiny import build_tokenizer; torch.manual_seed(0); "
-        f"m = Qwen2ForCausalLM(Qwen2Config(**{QWEN_05B!r})); m.save_pretrained(sys.argv[1]); "
-        "build_tokenizer().save_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))"
-    )
-    done = subprocess.run([sys.executable, "-c", code, str(folder)], check=True, capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return int(done.stdout.strip().splitlines()[-1])
-
-
-def config(workers: int, strategy: str, batch: int):
-    from verl_tasks.config import load_config
-
-    return load_config(CONFIG, {"resources.update.workers": workers, "resources.update.strategy": strategy,
-                                "algorithm.minibatch_size": batch})
-
-
-def synthetic_inputs(batch: int, seq: int, vocab: int):
-    """A batch of random prompts+responses (half each), random advantages: one minibatch per step."""
-    import torch
-
-    from verl_tasks.phases.update_steps import UpdateInputs
-
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
-    half = seq // 2
-    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "positions": torch.arange(half - 1, seq - 1).expand(batch, -1).contiguous(),
-            "response_ids": ids[:, half:].contiguous(), "response_mask": torch.ones(batch, seq - half)}
-    return UpdateInputs(data, None, torch.randn(batch, seq - half, generator=generator), None)
-
-
-def one_ddp(folder: str, steps: int, seq: int, batch: int) -> None:
-    """Child process: the one-process update path; prints its memory as JSON."""
-    import torch
-
-    from verl_tasks.models.checkpoint import load_policy, save_optimizer, save_policy
-    from verl_tasks.phases.update_steps import train_single
-
-    cfg = config(1, "ddp", batch)
-    torch.set_num_threads(cfg.torch_threads)
+    ctx = context(store, batch, micro)
     before = rss_mib()
     started = time.monotonic()
-    model, tokenizer = load_policy(Path(folder))
-    algo = cfg.algorithm.model_copy(update={"ppo_epochs": steps})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr)
-    train_single(model, optimizer, synthetic_inputs(batch, seq, model.config.vocab_size), algo, 1.0, 0, lambda s: None)
-    with tempfile.TemporaryDirectory() as out:
-        save_policy(model, tokenizer, Path(out))
-        save_optimizer(optimizer, model, Path(out))
-    print(json.dumps({"rank": 0, "before_mib": before, "peak_mib": peak_mib(), "s": time.monotonic() - started}))
+    run_phase(ctx, "update", 1)
+    return {"before_mib": before, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "s": time.monotonic() - started}
 
 
-def fsdp2_loop(job: dict) -> None:
-    """Ray Train worker: the fsdp2 update path; puts its memory into the queue."""
-    import ray.train
-    import torch
-
-    from verl_tasks.models.checkpoint import optimizer_shard_name, save_optimizer_shard
-    from verl_tasks.train import sharding
-    from verl_tasks.train.worker import build, train_steps
-
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    cfg = config(world, "fsdp2", job["batch"])
-    torch.set_num_threads(max(1, cfg.torch_threads // world))
-    before = rss_mib()
-    started = time.monotonic()
-    model, _ = build(Path(job["folder"]), cfg, torch.device("cpu"), world, train=True)
-    algo = cfg.algorithm.model_copy(update={"ppo_epochs": job["steps"]})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr)
-    inputs = synthetic_inputs(job["batch"], job["seq"], model.config.vocab_size)
-    train_steps(model, optimizer, inputs, algo, 1.0, 0, 0, lambda s: None)
-    with tempfile.TemporaryDirectory() as out:
-        sharding.write_full_weights(model, Path(out) / "model.safetensors" if rank == 0 else None)
-        save_optimizer_shard(optimizer, model, Path(out) / optimizer_shard_name(rank))
-    job["results"].put({"rank": rank, "before_mib": before, "peak_mib": peak_mib(), "s": time.monotonic() - started})
+def child(args: list[str], checkout: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    done = subprocess.run([sys.executable, __file__, *args, "--checkout", str(checkout)], check=True, cwd=checkout,
+                          capture_output=True, text=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def two_fsdp2(folder: Path, steps: int, seq: int, batch: int) -> list[dict]:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Queue
+def parameters() -> int:
+    from safetensors import safe_open
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    results = Queue(actor_options={"num_cpus": 0})
-    with tempfile.TemporaryDirectory() as storage:
-        TorchTrainer(fsdp2_loop, train_loop_config={"folder": str(folder), "steps": steps, "seq": seq, "batch": batch,
-                                                    "results": results},
-                     scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-                     torch_config=TorchConfig(backend="gloo"),
-                     run_config=RunConfig(name="update-memory", storage_path=storage)).fit()
-    out = sorted((results.get(timeout=60) for _ in range(2)), key=lambda r: r["rank"])
-    ray.shutdown()
-    return out
+    with safe_open(str(MODEL / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+
+
+def run(batches: list[int], micros: list[int], whole: bool, before: Path | None) -> list[dict]:
+    rows = []
+    variants = [(f"micro-batches of {micro}, chunked log-probs", ROOT, micro) for micro in micros]
+    if whole:
+        variants.append(("whole minibatches, chunked log-probs", ROOT, None))
+    if before is not None:
+        variants.append((f"before ({git_head(before)}): whole batches, `[B, L, V]` logits", before, None))
+    for batch in batches:
+        with tempfile.TemporaryDirectory(prefix="vt-update-memory-") as tmp:
+            store = Path(tmp) / "store"
+            subprocess.run([sys.executable, __file__, "--setup", str(store), "--batch", str(batch)], check=True,
+                           cwd=ROOT, capture_output=True, text=True)
+            for name, checkout, size in variants:
+                work = Path(tmp) / f"copy-{len(rows)}"  # each variant updates the same committed inputs
+                shutil.copytree(store, work)
+                micro = [] if size is None else ["--micro", str(size)]
+                result = child(["--measure", str(work), "--batch", str(batch), *micro], checkout)
+                rows.append({"variant": name, "batch": batch, **result})
+                print(json.dumps(rows[-1]), flush=True)
+                shutil.rmtree(work)
+    return rows
+
+
+def git_head(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or str(checkout)
+
+
+def markdown(rows: list[dict], params: int, command: str) -> str:
+    state_mib = params * 16 / 2**20
+    load = os.getloadavg()
+    lines = [
+        "## Update memory: micro-batches and chunked log-probs (SmolLM2-135M-Instruct)",
+        "",
+        f"Produced by `{command}` on {platform.machine()} with {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average "
+        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end (a machine shared with other engineers' tests).",
+        "",
+        f"{params / 1e6:.1f}M parameters: float32 parameters + gradients + AdamW moments, 16 bytes each, are "
+        f"**{state_mib:,.0f} MiB**. Each row is a fresh process running epoch 1's update phase "
+        f"(`run_phase(ctx, \"update\", 1)`) on sequences of {PROMPT_TOKENS} prompt + {RESPONSE_TOKENS} response "
+        "tokens: policy 1 and its AdamW state read from the store, the base policy held beside it as the "
+        "low-variance-KL reference, the old-policy pass (when the epoch has more than one minibatch) and the "
+        "reference pass, one optimizer step per minibatch of 64 sequences, weights and optimizer state written "
+        "and committed. Inputs are synthetic (see the script's docstring). Peak is the process's `ru_maxrss`, "
+        "\"before\" its RSS when the phase started (torch and verl_tasks imported).",
+        "",
+        "| variant | sequences | RSS before (MiB) | peak RSS (MiB) | peak / (params+grads+AdamW) | "
+        "peak vs the fewest sequences | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    smallest: dict[str, dict] = {}
+    for r in sorted(rows, key=lambda r: r["batch"]):
+        smallest.setdefault(r["variant"], r)
+    for r in sorted(rows, key=lambda r: (list(smallest).index(r["variant"]), r["batch"])):
+        ref = smallest[r["variant"]]
+        extra = "" if r is ref else f"{(r['peak_mib'] / ref['peak_mib'] - 1) * 100:+.1f}%"
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['before_mib']:,.0f} | {r['peak_mib']:,.0f} | "
+                     f"{r['peak_mib'] / state_mib:.2f} | {extra} | {r['s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(output: Path, text: str) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from run import replace_generated
+
+    output.write_text(replace_generated(output.read_text() if output.exists() else "", text, owner=OWNER))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--one-ddp", help=argparse.SUPPRESS)  # the child process of the 1-ddp variant
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--micro-batch-size", type=int, nargs="+", default=[4])
+    parser.add_argument("--whole", action="store_true", help="also this checkout without micro-batches")
+    parser.add_argument("--before", type=Path, help="another checkout to measure on the same stores")
+    parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--setup", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--micro", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--checkout", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one_ddp:
-        one_ddp(args.one_ddp, args.steps, args.seq, args.batch)
+    if args.setup:
+        prepare_store(args.setup, args.batch)
         return
-    with tempfile.TemporaryDirectory(prefix="vt-memory-") as tmp:
-        folder = Path(tmp) / "policy"
-        params = make_model(folder)
-        child = subprocess.run([sys.executable, __file__, "--one-ddp", str(folder), "--steps", str(args.steps),
-                                "--seq", str(args.seq), "--batch", str(args.batch)],
-                               check=True, capture_output=True, text=True, cwd=ROOT)
-        ddp = [json.loads(child.stdout.strip().splitlines()[-1])]
-        fsdp2 = two_fsdp2(folder, args.steps, args.seq, args.batch)
-    load = os.getloadavg()
-    print(f"{params / 1e6:.0f}M parameters (fp32 {params * 4 / 2**30:.2f} GiB); {args.steps} optimizer step(s), "
-          f"batch {args.batch} x {args.seq} tokens; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print("| variant | worker | RSS after imports (MiB) | peak RSS (MiB) | peak - imports (MiB) | seconds |")
-    print("|---|---|---|---|---|---|")
-    for name, rows in (("1 worker ddp", ddp), ("2 workers fsdp2", fsdp2)):
-        for r in rows:
-            print(f"| {name} | {r['rank']} | {r['before_mib']:.0f} | {r['peak_mib']:.0f} | "
-                  f"{r['peak_mib'] - r['before_mib']:.0f} | {r['s']:.0f} |")
-    ratio = max(r["peak_mib"] - r["before_mib"] for r in fsdp2) / (ddp[0]["peak_mib"] - ddp[0]["before_mib"])
-    print(f"largest fsdp2 worker / ddp worker (model's share): {ratio:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps({"params": params, "ddp": ddp, "fsdp2": fsdp2, "load_average": load}, indent=1))
+    if args.measure:
+        sys.path.insert(0, str(args.checkout))
+        print(json.dumps(measure_update(args.measure, args.batch, args.micro)))
+        return
+    rows = run(args.batches, args.micro_batch_size, args.whole, args.before.resolve() if args.before else None)
+    command = " ".join([".venv/bin/python benchmarks/update_memory.py", *sys.argv[1:]])
+    text = markdown(rows, parameters(), command)
+    write_section(args.output, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,9 @@ from verl_tasks.config import load_config
 from verl_tasks.errors import PhaseFailed
 from verl_tasks.models.checkpoint import OPTIMIZER_INDEX, WEIGHTS, check_optimizer_index
 from verl_tasks.ops.checkpoint import SnapshotRef, verify
-from verl_tasks.phases.update_steps import UpdateInputs
+from verl_tasks.phases.update_steps import UpdateInputs, micro_batches
 from verl_tasks.runner import epoch_units, make_context, run_phase
 from verl_tasks.store.units import read_json, read_marker
-from verl_tasks.train.worker import shard_rows
 
 from .conftest import TINY_YAML, small_overrides
 
@@ -109,9 +108,11 @@ class _Updates(dict):
         self.root = root
 
     def __missing__(self, name: str):
-        workers, strategy = name[1:].split("-")
+        """``w<workers>-<strategy>[-m<micro-batch size>]``."""
+        workers, strategy, *micro = name[1:].split("-")
         shutil.copytree(self.root / "validated", self.root / name)
-        ctx = _ctx(self.root / name, int(workers), strategy)
+        extra = {"resources.update.micro_batch_size": int(micro[0][1:])} if micro else {}
+        ctx = _ctx(self.root / name, int(workers), strategy, **extra)
         started = time.monotonic()
         run_phase(ctx, "update", 0)
         print(f"update with {workers} {strategy} worker(s): {time.monotonic() - started:.1f} s")
@@ -119,8 +120,9 @@ class _Updates(dict):
         return ctx
 
 
-@pytest.mark.parametrize("name", ["w2-ddp", "w4-ddp", "w2-fsdp2"])
+@pytest.mark.parametrize("name", ["w2-ddp", "w4-ddp", "w2-fsdp2", "w1-ddp-m5", "w2-ddp-m5", "w2-fsdp2-m5"])
 def test_worker_counts_and_strategies_match_one_worker(updated, name):
+    """Also micro-batched (``-m5``: 5 rows per forward/backward, gradients accumulated): the same update."""
     one, other = updated["w1-ddp"], updated[name]
     unit = one.layout.update(0)
     w1 = _weights(one, unit)
@@ -135,7 +137,7 @@ def test_worker_counts_and_strategies_match_one_worker(updated, name):
     for key, value in m1.items():
         assert m2[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     meta = read_marker(other.store, unit).meta
-    assert f"w{meta['update_workers']}-{meta['update_strategy']}" == name
+    assert name.startswith(f"w{meta['update_workers']}-{meta['update_strategy']}")
 
 
 def test_fsdp2_writes_one_optimizer_shard_per_worker_and_an_hf_loadable_snapshot(updated):
@@ -244,11 +246,12 @@ def test_shards_partition_the_minibatch_and_weights_sum_to_one():
     inputs = UpdateInputs({"response_mask": mask}, torch.zeros(5, 3), torch.zeros(5, 3), None)
     rows = torch.tensor([4, 0, 2, 1, 3])
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        parts = [shard_rows(inputs, rows, rank, 3, mode) for rank in range(3)]
+        parts = [part for rank in range(3) for part in micro_batches(inputs, rows, rank, 3, None, mode)]
+        assert len(parts) == 3  # one part per worker without a micro-batch size
         assert torch.cat([p[0] for p in parts]).tolist() == rows.tolist()
         assert sum(p[1] for p in parts) == pytest.approx(1.0)
         assert sum(p[2] for p in parts) == pytest.approx(1.0)
-    empty = shard_rows(inputs, rows[:1], 1, 2, "token-mean")
+    [empty] = micro_batches(inputs, rows[:1], 1, 2, None, "token-mean")
     assert empty[1:] == (0.0, 0.0) and len(empty[0]) == 1
 
 

@@ -31,7 +31,8 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Hashed keys added after experiments were pinned: left out of the hash at these defaults, so
 # those experiments (trained without them) still resume.
 ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps": 0,
-                    "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1}
+                    "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1,
+                    "rollout.enforce_eager": None, "model.train_dtype": "float32"}
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
@@ -107,10 +108,18 @@ class TinyModelConfig(Strict):
 
 
 class ModelConfig(Strict):
+    """The policy. ``dtype`` is the compute dtype: generation (hf, vllm), the old and reference
+    log-prob passes, and the update's forward and backward (under autocast, or FSDP2's mixed
+    precision, when it is narrower than ``train_dtype``). ``train_dtype`` is the dtype of the
+    trained weights and the AdamW state, i.e. of every snapshot: float32 master weights with
+    bfloat16 compute is ``train_dtype: float32, dtype: bfloat16``."""
+
     source: Literal["tiny", "hf"] = "tiny"
     name_or_path: str | None = None
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    train_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="trained weights and optimizer state (snapshots); dtype is the compute dtype")
     trust_remote_code: bool = False
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU Ray assigned to the worker when CUDA sees one, else the CPU")
@@ -121,13 +130,22 @@ class ModelConfig(Strict):
             raise ValueError("model.name_or_path is required when model.source is 'hf'")
         return self
 
+    @model_validator(mode="after")
+    def _compute_not_wider_than_weights(self) -> "ModelConfig":
+        if self.train_dtype == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError(f"model.dtype {self.dtype} (compute) with model.train_dtype bfloat16 (weights): compute "
+                             f"is never wider than the trained weights; set model.dtype: bfloat16, or "
+                             f"model.train_dtype: float32 for float32 master weights")
+        return self
+
 
 class DataConfig(Strict):
-    """Prompt data: ``builtin:arith`` (generated), or a JSONL / verl-format parquet file."""
+    """Prompt data: ``builtin:arith`` (generated ``a+b=`` prompts), ``builtin:arith-chat`` (the same
+    problems as a chat message for a chat model), or a JSONL / verl-format parquet file."""
 
     train: str = "builtin:arith"
     eval: str = "builtin:arith"
-    train_size: int = Field(2000, gt=0, description="prompts generated for builtin:arith")
+    train_size: int = Field(2000, gt=0, description="prompts generated for builtin:arith(-chat)")
     eval_size: int = Field(200, gt=0)
     max_prompt_tokens: int = Field(64, gt=0)
 
@@ -206,6 +224,8 @@ class RolloutConfig(Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm only")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm only: GPUs per engine, each rollout worker then "
                                                            "holds a placement group of that many GPU bundles")
+    enforce_eager: bool | None = Field(None, description="vllm only: no CUDA graphs; default: eager on the CPU, "
+                                                         "graphs on a GPU")
 
 
 class RewardsConfig(Strict):
@@ -279,7 +299,12 @@ class Resources(Strict):
     idle_release_s: float = Field(300, gt=0, description="an idle worker exits after this, freeing its resources")
     strategy: UpdateStrategy = Field(UpdateStrategy.ddp, description="update only: ddp (replicated) or fsdp2 (sharded)")
     cpu_offload: bool = Field(False, description="update with fsdp2: sharded parameters and optimizer state in host memory")
-    mixed_precision: MixedPrecision = Field(MixedPrecision.none, description="update with fsdp2: compute dtype")
+    mixed_precision: MixedPrecision = Field(
+        MixedPrecision.none, description="update with fsdp2: compute dtype of the sharded parameters; none: model.dtype")
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="update only: sequences per forward/backward on each worker, gradients accumulated; "
+                                "None: a worker's whole share of a minibatch at once. Lower it when the update runs "
+                                "out of memory: it changes float summation order only")
 
     @model_validator(mode="after")
     def _fsdp_options_need_fsdp2(self) -> "Resources":
@@ -372,9 +397,9 @@ class ExperimentConfig(Strict):
                 raise ValueError(f"resources has unknown phase {phase!r}; use {PHASES}")
             res = value[phase]  # a dumped config sends the defaults back: only a non-default value is wrong
             if phase != "update" and (res.strategy != UpdateStrategy.ddp or res.cpu_offload
-                                      or res.mixed_precision != MixedPrecision.none):
-                raise ValueError(f"resources.{phase}: strategy, cpu_offload and mixed_precision are the update's; "
-                                 f"remove them from resources.{phase}")
+                                      or res.mixed_precision != MixedPrecision.none or res.micro_batch_size is not None):
+                raise ValueError(f"resources.{phase}: strategy, cpu_offload and mixed_precision are the update's, and so "
+                                 f"is micro_batch_size; remove them from resources.{phase}")
         return value
 
     @model_validator(mode="after")

@@ -127,7 +127,6 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str)
     raise ConfigError(f"unknown KL type {kl_type!r}; valid: {KL_TYPES}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy ``[B, T]`` of the categorical distributions ``logits [B, T, V]``."""
-    log_probs = torch.log_softmax(logits, dim=-1)
+def entropy_from_logprobs(log_probs: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy ``[...]`` of categorical distributions given as ``log_softmax`` output ``[..., V]``."""
     return -(log_probs.exp() * log_probs).sum(dim=-1)

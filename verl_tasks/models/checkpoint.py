@@ -203,14 +203,20 @@ def _read_rows(files: dict[str, Any], shards: dict[str, dict[str, list[int]]], n
         got = max(got, b)
     if parts and got < stop:
         raise IntegrityError(name, [f"optimizer state of {name} lacks rows [{got}, {stop})"])
-    return {field: t[0] if t[0].dim() == 0 else torch.cat(t) for field, t in parts.items()}
+    # Copies (cat, clone): safetensors' tensors live on the file's memory map, and one left in the state
+    # would keep the whole file mapped, its pages read here counted in the process's memory as long.
+    return {field: t[0].clone() if t[0].dim() == 0 else torch.cat(t) for field, t in parts.items()}
 
 
 def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A state tensor placed as ``param`` is: a DTensor shard for fsdp2, a plain tensor otherwise."""
-    if value.dim() == 0 or not hasattr(param, "device_mesh"):
+    """A state tensor placed as ``param`` is: a DTensor shard for fsdp2, a plain tensor otherwise; moments
+    in the parameter's dtype (a state saved when weights were trained in another dtype, e.g. before
+    ``model.train_dtype`` existed, resumes)."""
+    if value.dim() == 0:
         return value.to(_local(param).device)
+    value = value.to(_local(param).device, dtype=param.dtype)
+    if not hasattr(param, "device_mesh"):
+        return value
     from torch.distributed.tensor import DTensor
 
-    local = value.to(param.to_local().device)
-    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

@@ -23,8 +23,9 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
-from verl_tasks.models.checkpoint import WEIGHTS
+from verl_tasks.models.checkpoint import WEIGHTS, refuse_pickles
 from verl_tasks.models.device import resolve_device
+from verl_tasks.models.engines import Policy
 from verl_tasks.models.policy_cache import POLICIES, PolicyKey, WarmOptimizer
 from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
@@ -219,9 +220,9 @@ def _verify_weights(path: Path, sha: str, unit: str) -> None:
     _VERIFIED.add(key)
 
 
-def _policy_key(ctx: PhaseContext, record: CommitRecord) -> PolicyKey:
+def _policy_key(ctx: PhaseContext, record: CommitRecord, dtype: str) -> PolicyKey:
     device = resolve_device(ctx.config.model.device)
-    return PolicyKey(record.files[WEIGHTS].sha256, ctx.config.model.dtype, str(device))
+    return PolicyKey(record.files[WEIGHTS].sha256, dtype, str(device))
 
 
 def load_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any, Path]:
@@ -231,19 +232,40 @@ def load_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any,
         (model, tokenizer, local folder of the verified snapshot).
     """
     folder, record = policy_folder(ctx, version)
-    key = _policy_key(ctx, record)
+    key = _policy_key(ctx, record, ctx.config.model.dtype)
     model, tokenizer, how = POLICIES.get(key, folder)
     _record_load(ctx, version, key, how)
     return model, tokenizer, folder
 
 
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def sampling_policy(ctx: PhaseContext, version: int) -> Policy:
+    """What the configured engine samples policy ``version`` from. vLLM loads the folder itself: no HF
+    copy of the weights is loaded beside it (on a GPU it would hold memory the engine was promised)."""
+    if ctx.config.rollout.engine == "hf":
+        model, tokenizer, folder = load_version(ctx, version)
+        return Policy(tokenizer, folder, model)
+    folder, _record = policy_folder(ctx, version)
+    key = str(folder)
+    if key not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        refuse_pickles(folder)
+        _TOKENIZERS.clear()  # one version at a time is read: keep only the newest
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(folder)
+    return Policy(_TOKENIZERS[key], folder)
+
+
 def take_version(ctx: PhaseContext, version: int, *, keep: bool = False
                  ) -> tuple[torch.nn.Module, Any, Path, WarmOptimizer | None]:
-    """Like :func:`load_version` for a caller that will change the weights (the update): the model
-    leaves the cache, with the optimizer kept beside it, if any (the caller checks its ``state_id``).
-    ``keep``: the version stays cached for later readers and the caller trains a copy of it."""
+    """Like :func:`load_version` for a caller that will change the weights (the update): the model, in
+    ``model.train_dtype``, leaves the cache, with the optimizer kept beside it, if any (the caller checks
+    its ``state_id``). ``keep``: the version stays cached for later readers and the caller trains a copy
+    of it (useful when those readers' ``model.dtype`` is the same)."""
     folder, record = policy_folder(ctx, version)
-    key = _policy_key(ctx, record)
+    key = _policy_key(ctx, record, ctx.config.model.train_dtype)
     model, tokenizer, how, optimizer = POLICIES.take(key, folder, keep=keep)
     _record_load(ctx, version, key, how)
     if keep:
@@ -261,7 +283,8 @@ def _record_load(ctx: PhaseContext, version: int, key: PolicyKey, how: str | Non
 def keep_policy(ctx: PhaseContext, record: CommitRecord, model: torch.nn.Module, tokenizer: Any, folder: Path,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
     """After an update committed ``record`` from this ``model`` (and ``optimizer``), keep both warm
-    for the next epoch's units."""
+    for the next epoch's units, keyed by ``model.train_dtype``: the next update takes it; readers
+    in another ``model.dtype`` load their own copy."""
     state_id = optimizer_state_id(record)
     warm = WarmOptimizer(state_id, optimizer) if optimizer is not None and state_id is not None else None
-    POLICIES.adopt(_policy_key(ctx, record), model, tokenizer, folder, warm)
+    POLICIES.adopt(_policy_key(ctx, record, ctx.config.model.train_dtype), model, tokenizer, folder, warm)

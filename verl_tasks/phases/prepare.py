@@ -69,10 +69,13 @@ def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
     """Build (tiny) or fetch (HF) the base policy into ``work``; the tiny warm start is cached locally."""
     cfg = ctx.config
     if cfg.model.source == "hf":
+        import torch
         from transformers import AutoModelForCausalLM
 
+        # In the dtype the update trains (the snapshots'), not the checkpoint's own.
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.name_or_path, use_safetensors=True, trust_remote_code=cfg.model.trust_remote_code
+            cfg.model.name_or_path, use_safetensors=True, trust_remote_code=cfg.model.trust_remote_code,
+            dtype=getattr(torch, cfg.model.train_dtype),
         )
         save_policy(model, _tokenizer_for(ctx), work)
         return work, {"source": "hf", "name_or_path": cfg.model.name_or_path}

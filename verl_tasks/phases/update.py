@@ -7,6 +7,8 @@ before, or how they held the model: optimizer state is keyed by parameter name a
 indexed by rows, so ``resources.update.workers`` and ``resources.update.strategy``
 may change between epochs of one experiment. The loss and the loop live in
 ``update_steps``; one ddp worker runs here, anything else on Ray Train (``verl_tasks.train``).
+The trained weights and AdamW state are in ``model.train_dtype``, the forward computes in
+``model.dtype``, ``resources.update.micro_batch_size`` rows at a time.
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ from verl_tasks.models.checkpoint import load_optimizer, save_optimizer, save_po
 from verl_tasks.models.policy_cache import WarmOptimizer
 from verl_tasks.phases.common import (PhaseContext, committed, keep_policy, load_version, require, run_unit,
                                      take_version)
-from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, response_logprobs, train_single
+from verl_tasks.phases.update_steps import (UpdateInputs, epoch_inputs, frozen_logprobs, policy_module,
+                                           train_steps)
 from verl_tasks.phases.validate import epoch_batches
 from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, optimizer_state_id
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
 from verl_tasks.train.launch import train_on_workers
+from verl_tasks.train.logprobs import ResponseLogProbs
 
 
 def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
@@ -38,22 +42,19 @@ def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
     return out
 
 
-def frozen_logprobs(
-    inputs: UpdateInputs, model: torch.nn.Module, ref_model: torch.nn.Module | None, temperature: float,
-    single_step: bool,
+def fill_frozen_logprobs(
+    inputs: UpdateInputs, policy: torch.nn.Module, ref: torch.nn.Module | None, temperature: float,
+    single_step: bool, micro_batch_size: int | None,
 ) -> UpdateInputs:
     """Fill in the old policy's and the reference's log-probs (one process; the workers shard this).
 
     With ``single_step`` (one optimizer step per epoch) the old log-probs are those of the step's
     own forward pass, detached: the weights have not moved yet, so the extra pass is skipped.
     """
-    inputs = inputs.to(model.device)
-    with torch.no_grad():
-        model.eval()
-        if not single_step:
-            inputs.old_logp = response_logprobs(model, inputs.data, temperature)[0]
-        if ref_model is not None:
-            inputs.ref_logp = response_logprobs(ref_model, inputs.data, temperature)[0]
+    if not single_step:
+        inputs.old_logp = frozen_logprobs(policy, inputs, temperature, micro_batch_size)
+    if ref is not None:
+        inputs.ref_logp = frozen_logprobs(ref, inputs, temperature, micro_batch_size)
     return inputs
 
 
@@ -98,16 +99,20 @@ def _train_here(
     """
     cfg, algo = ctx.config, ctx.config.algorithm
     version, with_kl = planned["policy_version"], algo.kl_type.value != "none"
-    # The base is read again after this update (the KL reference, its evaluation): train a copy of it.
-    base_again = version == 0 and (with_kl or committed(ctx, ctx.layout.base_evaluate) is None)
+    # The base is read again after this update (the KL reference, its evaluation): train a copy of it,
+    # unless those readers load it in another dtype (model.dtype) than the one trained (model.train_dtype).
+    base_again = (version == 0 and (with_kl or committed(ctx, ctx.layout.base_evaluate) is None)
+                  and cfg.model.dtype == cfg.model.train_dtype)
     model, tokenizer, folder, warm = take_version(ctx, version, keep=base_again)
-    ref_model = load_version(ctx, 0)[0] if with_kl else None
-    inputs = epoch_inputs(samples, tokenizer.pad_token_id, algo.norm_adv_by_std)
-    inputs = frozen_logprobs(inputs, model, ref_model, cfg.rollout.temperature, single_step)
+    policy = policy_module(model, cfg.model)
+    ref = ResponseLogProbs(load_version(ctx, 0)[0]) if with_kl else None  # frozen, in model.dtype
+    micro = cfg.phase_resources("update").micro_batch_size
+    inputs = epoch_inputs(samples, tokenizer.pad_token_id, algo.norm_adv_by_std).to(model.device)
+    inputs = fill_frozen_logprobs(inputs, policy, ref, cfg.rollout.temperature, single_step, micro)
     optimizer = resumed_optimizer(model, algo, folder, state_id, warm)
     on_step = lambda step: ctx.hook("update_step", epoch=epoch, step=step)  # noqa: E731
-    totals, steps = train_single(model, optimizer, inputs, algo, cfg.rollout.temperature, planned["update_seed"],
-                                 on_step, first_step)
+    totals, steps = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, planned["update_seed"],
+                                on_step, first_step, micro_batch_size=micro)
     model.eval()
     save_policy(model, tokenizer, out)
     hyper = save_optimizer(optimizer, model, out)

@@ -1,21 +1,27 @@
-"""The arithmetic of one update: the batch, minibatch order, the minibatch loss, the single-process loop.
+"""The arithmetic of one update: the batch, minibatch order, micro-batches and their weights, the loss, the loop.
 
 Shared by the one-process update (``phases/update.py``) and the Ray Train workers
-(``train/worker.py``), so both compute the same loss the same way.
+(``train/worker.py``), so both compute the same loss the same way: the one process is
+rank 0 of a world of 1. The model is called through
+:class:`verl_tasks.train.logprobs.ResponseLogProbs` (or DDP/FSDP2 around it), which never makes
+``[B, L, V]`` logits; ``resources.update.micro_batch_size`` bounds the rows of each forward.
 Shapes: ``B`` sequences, ``L`` padded sequence length, ``R`` response tokens.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
-from verl_tasks.algos import (aggregate_loss, entropy_from_logits, grpo_outcome_advantage, kl_penalty, lr_at,
-                              policy_loss_vanilla, schedule_of)
-from verl_tasks.config import AlgorithmConfig
+from verl_tasks.algos import aggregate_loss, grpo_outcome_advantage, kl_penalty, lr_at, policy_loss_vanilla, schedule_of
+from verl_tasks.config import AlgorithmConfig, ModelConfig
+from verl_tasks.train.logprobs import ResponseLogProbs
 
 DATA_KEYS = ("input_ids", "attention_mask", "positions", "response_ids", "response_mask")
+# Metrics that are token means whatever the loss aggregation mode (see ``policy_loss_vanilla``).
+TOKEN_MEAN_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
 
 @dataclass
@@ -80,16 +86,23 @@ def epoch_inputs(samples: list[dict[str, Any]], pad_id: int, norm_adv_by_std: bo
     return UpdateInputs(data, None, advantages, None)
 
 
+def autocast_dtype(model: ModelConfig) -> torch.dtype | None:
+    """The autocast dtype of the trained model's forward: ``model.dtype`` when it is narrower than
+    ``model.train_dtype`` (float32 master weights, bfloat16 compute), else None."""
+    return getattr(torch, model.dtype) if model.dtype != model.train_dtype else None
+
+
+def policy_module(lm: torch.nn.Module, model: ModelConfig) -> ResponseLogProbs:
+    """The module the update calls for ``lm`` in ``model.train_dtype`` (autocast to ``model.dtype``)."""
+    return ResponseLogProbs(lm, autocast_dtype(model))
+
+
 def response_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+    module: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities ``[B, R]`` of the response tokens (logits divided by the sampling temperature)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    index = batch["positions"].unsqueeze(-1).expand(-1, -1, logits.size(-1))
-    picked = torch.gather(logits, 1, index).float() / temperature
-    logp = torch.log_softmax(picked, dim=-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(picked) if with_entropy else None
-    return logp, entropy
+    """Log-probabilities ``[B, R]`` of the response tokens (logits divided by the sampling temperature),
+    and their entropies with ``with_entropy``; ``module`` is a ``ResponseLogProbs`` (or DDP/FSDP2 around one)."""
+    return module(**{key: batch[key] for key in DATA_KEYS}, temperature=temperature, with_entropy=with_entropy)
 
 
 def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -105,8 +118,42 @@ def minibatch_rows(samples: int, algo: AlgorithmConfig, seed: int) -> Iterator[t
             yield order[start : start + algo.minibatch_size]
 
 
+def split_rows(rows: torch.Tensor, rank: int, world: int, size: int | None) -> list[torch.Tensor]:
+    """Worker ``rank``'s parts of ``rows``: its contiguous share (one of ``world``), cut into micro-batches
+    of at most ``size`` rows (None: one part).
+
+    Every worker gets the same number of parts, since each forward and backward of fsdp2 is
+    collective; a part may then be empty (fewer rows than parts).
+    """
+    shares = torch.tensor_split(rows, world)
+    count = 1 if size is None else max(1, -(-len(shares[0]) // size))  # shares[0] is the largest
+    return list(torch.tensor_split(shares[rank], count))
+
+
+def micro_batches(inputs: UpdateInputs, rows: torch.Tensor, rank: int, world: int, size: int | None,
+                  loss_agg_mode: str) -> list[tuple[torch.Tensor, float, float]]:
+    """This worker's micro-batches of minibatch ``rows``: (rows to run, loss weight, token-mean weight).
+
+    The weights are each part's share of the minibatch: its response tokens (``token-mean``) or its
+    sequences (``seq-mean-*``) for the loss, its response tokens for token-mean metrics. Summed
+    over the parts and workers, weighted losses give the whole minibatch's loss, hence its
+    gradient, up to float summation order. An empty part runs one row at weight 0, so every
+    worker takes part in every collective.
+    """
+    mask = inputs.data["response_mask"]
+    tokens = max(float(mask[rows].sum()), 1.0)
+    out = []
+    for part in split_rows(rows, rank, world, size):
+        if len(part) == 0:
+            out.append((rows[:1], 0.0, 0.0))
+            continue
+        token_w = float(mask[part].sum()) / tokens
+        out.append((part, token_w if loss_agg_mode == "token-mean" else len(part) / len(rows), token_w))
+    return out
+
+
 def minibatch_loss(
-    model: torch.nn.Module, inputs: UpdateInputs, rows: torch.Tensor, algo: AlgorithmConfig, temperature: float
+    module: torch.nn.Module, inputs: UpdateInputs, rows: torch.Tensor, algo: AlgorithmConfig, temperature: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss (minus entropy bonus, plus KL) of ``rows``, aggregated by ``algo.loss_agg_mode``.
 
@@ -115,7 +162,7 @@ def minibatch_loss(
     """
     mb = select_rows(inputs.data, rows)
     mode = algo.loss_agg_mode.value
-    logp, entropy = response_logprobs(model, mb, temperature, with_entropy=True)
+    logp, entropy = response_logprobs(module, mb, temperature, with_entropy=True)
     old_logp = inputs.old_logp[rows] if inputs.old_logp is not None else logp.detach()
     pg_loss, pg_metrics = policy_loss_vanilla(
         old_logp, logp, inputs.advantages[rows], mb["response_mask"],
@@ -128,7 +175,44 @@ def minibatch_loss(
         kl = aggregate_loss(kl_penalty(logp, inputs.ref_logp[rows], algo.kl_type.value), mb["response_mask"], mode)
         loss = loss + algo.kl_coef * kl
         metrics["actor/kl_loss"] = kl.item()
+    metrics["actor/loss"] = loss.item()
     return loss, metrics
+
+
+def accumulate_gradients(module: torch.nn.Module, inputs: UpdateInputs, rows: torch.Tensor, algo: AlgorithmConfig,
+                         temperature: float, size: int | None, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """Forward and backward of this worker's micro-batches of minibatch ``rows``; gradients accumulate.
+
+    Each micro-batch's loss is scaled by its weight (``micro_batches``) times ``world``, since DDP and
+    FSDP2 *average* over the workers and the sum is wanted. DDP synchronises on the last backward
+    only (``no_sync``); FSDP2 reduce-scatters after each, keeping only sharded gradients.
+
+    Returns:
+        the metrics weighted like the losses: summed over the workers, the minibatch's.
+    """
+    parts = micro_batches(inputs, rows, rank, world, size, algo.loss_agg_mode.value)
+    metrics: dict[str, float] = {}
+    for index, (part, loss_w, token_w) in enumerate(parts):
+        last = index == len(parts) - 1
+        with nullcontext() if last or not hasattr(module, "no_sync") else module.no_sync():
+            loss, part_metrics = minibatch_loss(module, inputs, part, algo, temperature)
+            (loss * (loss_w * world)).backward()
+        accumulate(metrics, {k: v * (token_w if k in TOKEN_MEAN_METRICS else loss_w) for k, v in part_metrics.items()})
+    return metrics
+
+
+def frozen_logprobs(module: torch.nn.Module, inputs: UpdateInputs, temperature: float, size: int | None,
+                    rank: int = 0, world: int = 1) -> torch.Tensor:
+    """Log-probs ``[share, R]`` of worker ``rank``'s contiguous share of all rows, without gradients,
+    ``size`` rows per forward (the whole share at once when None)."""
+    parts = split_rows(torch.arange(len(inputs)), rank, world, size)
+    out = []
+    module.eval()
+    with torch.no_grad():
+        for part in parts:
+            run = part if len(part) else torch.arange(1)  # a worker without rows still runs a forward (fsdp2)
+            out.append(response_logprobs(module, select_rows(inputs.data, run), temperature)[0][: len(part)])
+    return torch.cat(out)
 
 
 def accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:
@@ -144,8 +228,8 @@ def set_lr(optimizer: torch.optim.Optimizer, algo: AlgorithmConfig, step: int) -
     return lr
 
 
-def train_single(
-    model: torch.nn.Module,
+def train_steps(
+    module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: UpdateInputs,
     algo: AlgorithmConfig,
@@ -153,21 +237,30 @@ def train_single(
     seed: int,
     on_step: Callable[[int], None],
     first_step: int = 0,
+    *,
+    micro_batch_size: int | None = None,
+    rank: int = 0,
+    world: int = 1,
 ) -> tuple[dict[str, float], int]:
-    """The one-process optimisation from global step ``first_step``. Returns (metric sums over steps, steps)."""
-    model.train()
+    """This worker's part of the optimisation from global step ``first_step``: per minibatch, accumulate
+    the micro-batches' gradients, call ``on_step(step)``, clip, step.
+
+    Returns:
+        (metric sums over steps, steps). The sums are this worker's share; summed over the workers
+        they are the one-process values. ``actor/grad_norm`` (the same on every worker) counts on rank 0.
+    """
+    module.train()
     totals: dict[str, float] = {}
     steps = 0
     for rows in minibatch_rows(len(inputs), algo, seed):
-        loss, metrics = minibatch_loss(model, inputs, rows, algo, temperature)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.grad_clip)
+        metrics = accumulate_gradients(module, inputs, rows, algo, temperature, micro_batch_size, rank, world)
+        on_step(steps + 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), algo.grad_clip)
         set_lr(optimizer, algo, first_step + steps)
         optimizer.step()
-        metrics["actor/loss"] = loss.item()
-        metrics["actor/grad_norm"] = float(grad_norm)
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        metrics["actor/grad_norm"] = float(norm) if rank == 0 else 0.0
         accumulate(totals, metrics)
         steps += 1
-        on_step(steps)
     return totals, steps

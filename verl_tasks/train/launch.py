@@ -3,9 +3,10 @@
 The process running the update unit (a pool actor on ``--backend ray``, or the inline
 process) starts ``resources.update.workers`` Ray Train workers, each reserving the
 phase's ``num_cpus``/``num_gpus``/``memory_mb``/custom resources, so Ray places them
-on any nodes that have them. The process group is gloo on CPU and NCCL when the
-workers hold GPUs; nothing else differs. The workers write the unit's files into the
-attempt; this side lists them in the writer, and the phase commits as always.
+on any nodes that have them. The process group is gloo on CPU and ``cpu:gloo,cuda:nccl``
+when the workers hold GPUs (``process_group_backend``); nothing else differs. The workers
+write the unit's files into the attempt; this side lists them in the writer, and the phase
+commits as always.
 
 Failure: ``FailureConfig(max_failures=0)``: a worker that raises or dies (Ray Train's
 health check sees a dead worker within seconds) ends the fit, and the attempt fails
@@ -55,6 +56,7 @@ def train_on_workers(ctx: PhaseContext, epoch: int, writer: UnitWriter, *, polic
 
     from verl_tasks.train.worker import train_loop
 
+    backend = process_group_backend(res.num_gpus > 0)
     results = Queue(actor_options={"num_cpus": 0})
     job = {"config": ctx.config.model_dump(mode="json"), "unit": writer.unit, "attempt": writer.attempt,
            "epoch": epoch, "policy_version": policy_version, "samples": samples, "first_step": first_step,
@@ -64,12 +66,11 @@ def train_on_workers(ctx: PhaseContext, epoch: int, writer: UnitWriter, *, polic
         train_loop, train_loop_config=job,
         scaling_config=ScalingConfig(num_workers=res.workers, use_gpu=res.num_gpus > 0,
                                      resources_per_worker=worker_resources(res)),
-        torch_config=TorchConfig(backend="nccl" if res.num_gpus > 0 else "gloo"),
+        torch_config=TorchConfig(backend=backend),
         run_config=RunConfig(name=f"{ctx.config.experiment}-e{epoch}-update-{writer.attempt}", storage_path=storage,
                              failure_config=FailureConfig(max_failures=0)),
     )
-    log.info("update of epoch %d on %d Ray Train workers (%s, %s)", epoch, res.workers, res.strategy.value,
-             "nccl" if res.num_gpus > 0 else "gloo")
+    log.info("update of epoch %d on %d Ray Train workers (%s, %s)", epoch, res.workers, res.strategy.value, backend)
     try:
         trainer.fit()
         result = results.get(timeout=RESULT_WAIT_S)
@@ -82,6 +83,17 @@ def train_on_workers(ctx: PhaseContext, epoch: int, writer: UnitWriter, *, polic
     for name, (size, sha) in result["files"].items():
         writer.files[name] = FileEntry(size, sha)
     return result
+
+
+def process_group_backend(use_gpu: bool) -> str:
+    """The torch.distributed backend of the update's workers: ``gloo`` on CPU; on GPUs NCCL for CUDA
+    tensors *and* gloo for CPU ones (``cpu:gloo,cuda:nccl``), since some collectives run on host memory
+    (FSDP2 with ``cpu_offload``: the gradient norm and the full weights are computed from CPU shards).
+
+    Ray 2.60's ``TorchConfig`` passes the string to ``init_process_group`` as is, and reads any
+    ``cuda:nccl`` entry as NCCL (it then sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set).
+    """
+    return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
 
 
 def worker_resources(res: Resources) -> dict[str, float]:

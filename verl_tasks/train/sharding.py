@@ -1,5 +1,8 @@
 """The model one update worker trains: replicated (DDP) or sharded per transformer block (FSDP2).
 
+Either way the module called is a :class:`~verl_tasks.train.logprobs.ResponseLogProbs` around
+the causal LM: DDP wraps it, and for FSDP2 it is the root, so the root's pre-forward hook
+gathers the embeddings and the LM head that its chunked log-probs use.
 FSDP2 never materialises the whole model on a worker: parameters are created on the
 ``meta`` device, sharded (``fully_shard`` on every transformer block, then the root),
 allocated, and each worker reads only its rows of every weight from the safetensors
@@ -19,9 +22,10 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from verl_tasks.config import MixedPrecision, Resources
+from verl_tasks.config import ExperimentConfig, MixedPrecision, Resources
 from verl_tasks.errors import IntegrityError
 from verl_tasks.models.checkpoint import WEIGHTS, local_rows, refuse_pickles
+from verl_tasks.train.logprobs import ResponseLogProbs
 
 log = logging.getLogger(__name__)
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -35,24 +39,37 @@ def replicated(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def sharded(folder: Path, dtype: str, device: torch.device, world_size: int, res: Resources) -> torch.nn.Module:
-    """Policy ``folder`` as an FSDP2 model: parameters, gradients and optimizer state sharded over the workers."""
+def compute_dtype(config: ExperimentConfig) -> str:
+    """The dtype an fsdp2 worker computes in: ``resources.update.mixed_precision`` when set, else ``model.dtype``.
+
+    So ``model.dtype: bfloat16`` with float32 ``model.train_dtype`` computes in bfloat16 over float32
+    shards without setting ``mixed_precision``; setting it overrides the compute dtype for the update only.
+    """
+    chosen = config.phase_resources("update").mixed_precision
+    return {MixedPrecision.bf16: "bfloat16", MixedPrecision.fp16: "float16"}.get(chosen, config.model.dtype)
+
+
+def sharded(folder: Path, dtype: str, compute: str, device: torch.device, world_size: int,
+            res: Resources) -> ResponseLogProbs:
+    """Policy ``folder`` as the FSDP2 root ``ResponseLogProbs``: parameters (in ``dtype``), gradients and
+    optimizer state sharded over the workers; forward and backward in ``compute``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
     refuse_pickles(folder)
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}  # computed at init, not stored
-    options = fsdp_options(res, init_device_mesh(device.type, (world_size,)), device)
-    for block in transformer_blocks(model):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
+    model = ResponseLogProbs(lm)
+    buffers = {name: buf.detach().clone() for name, buf in lm.named_buffers()}  # computed at init, not stored
+    options = fsdp_options(res, init_device_mesh(device.type, (world_size,)), device, dtype, compute)
+    for block in transformer_blocks(lm):
         fully_shard(block, **options)
     fully_shard(model, **options)
     model.to_empty(device="cpu" if "offload_policy" in options else device)
     with torch.no_grad():
-        load_local_rows(model, folder)
-        for name, buf in model.named_buffers():
+        load_local_rows(lm, folder)
+        for name, buf in lm.named_buffers():
             buf.copy_(buffers[name])
     return model
 
@@ -74,8 +91,9 @@ def params_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def fsdp_options(res: Resources, mesh: Any, device: torch.device) -> dict[str, Any]:
-    """``fully_shard`` keyword arguments from ``resources.update`` (mixed precision, CPU offload).
+def fsdp_options(res: Resources, mesh: Any, device: torch.device, dtype: str, compute: str) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments: mixed precision when ``compute`` differs from the parameters'
+    ``dtype`` (gradients reduced in float32), CPU offload from ``resources.update``.
 
     CPU offload moves shards from an accelerator to host memory; a CPU worker's shards are there
     already (and FSDP2 refuses the policy without an accelerator), so it is ignored there.
@@ -83,9 +101,8 @@ def fsdp_options(res: Resources, mesh: Any, device: torch.device) -> dict[str, A
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     options: dict[str, Any] = {"mesh": mesh}
-    if res.mixed_precision != MixedPrecision.none:
-        compute = torch.bfloat16 if res.mixed_precision == MixedPrecision.bf16 else torch.float16
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    if compute != dtype:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=torch.float32)
     if res.cpu_offload and device.type != "cpu":
         options["offload_policy"] = CPUOffloadPolicy()
     elif res.cpu_offload:

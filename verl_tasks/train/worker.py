@@ -1,13 +1,16 @@
 """The loop every Ray Train worker of the update runs (``train_loop_per_worker``).
 
 Each worker loads policy version ``v`` (the whole model for ddp, only its rows for
-fsdp2), computes the old and reference log-probs of its contiguous share of the
-epoch's rows and all-gathers them, then takes its contiguous share of every
-minibatch (the same seeded permutation as one process). Its loss is weighted by its
-share of the minibatch's tokens (``token-mean``) or sequences (``seq-mean-*``) times
-the worker count, so the framework's gradient *average* (DDP's all-reduce, FSDP2's
-reduce-scatter) is the one-process gradient of the whole minibatch up to float
-summation order. Every worker then clips and steps.
+fsdp2) in ``model.train_dtype``, computes the old and reference log-probs of its
+contiguous share of the epoch's rows in micro-batches and all-gathers them, then takes
+its contiguous share of every minibatch (the same seeded permutation as one process),
+in micro-batches of ``resources.update.micro_batch_size`` rows. Each micro-batch's loss
+is weighted by its share of the minibatch's tokens (``token-mean``) or sequences
+(``seq-mean-*``) times the worker count (``update_steps.micro_batches``), so the
+framework's gradient *average* (DDP's all-reduce, FSDP2's reduce-scatter) is the
+one-process gradient of the whole minibatch up to float summation order. Every worker
+then clips and steps. Tensors handed to collectives live on the worker's device (the
+process group is ``cpu:gloo,cuda:nccl`` on GPUs, ``launch.process_group_backend``).
 
 Outputs go straight to the unit's attempt prefix in the store: ddp: rank 0 writes the
 HF folder and the optimizer state; fsdp2: the full weights gathered once and streamed
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from verl_tasks import hooks as process_hooks
-from verl_tasks.config import AlgorithmConfig, UpdateStrategy, parse_config
+from verl_tasks.config import UpdateStrategy, parse_config
 from verl_tasks.models.checkpoint import (
     OPTIMIZER_INDEX,
     WEIGHTS,
@@ -37,24 +40,12 @@ from verl_tasks.models.checkpoint import (
     save_policy,
 )
 from verl_tasks.phases.common import PhaseContext, deterministic_kernels, policy_folder
-from verl_tasks.phases.update_steps import (
-    UpdateInputs,
-    accumulate,
-    epoch_inputs,
-    minibatch_loss,
-    minibatch_rows,
-    response_logprobs,
-    select_rows,
-    set_lr,
-)
+from verl_tasks.phases.update_steps import UpdateInputs, autocast_dtype, epoch_inputs, frozen_logprobs, train_steps
 from verl_tasks.store import store_for
 from verl_tasks.store.conventions import METRICS, TRAINER_STATE, is_optimizer_state
 from verl_tasks.store.units import UnitWriter
 from verl_tasks.train import sharding
-
-
-# Metrics that are token means whatever the loss aggregation mode (see ``policy_loss_vanilla``).
-TOKEN_MEAN_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+from verl_tasks.train.logprobs import ResponseLogProbs
 
 
 def train_loop(job: dict[str, Any]) -> None:
@@ -75,22 +66,25 @@ def train_loop(job: dict[str, Any]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     inputs = epoch_inputs(job["samples"], tokenizer.pad_token_id, algo.norm_adv_by_std).to(device)
 
+    micro = config.phase_resources("update").micro_batch_size
     model, core = build(folder, config, device, world, train=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
+    optimizer = torch.optim.AdamW(core.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
     if job["resume_optimizer"]:
         load_optimizer(optimizer, core, folder)
     if not job["single_step"]:
-        inputs.old_logp = sharded_logprobs(model, inputs, temperature, rank, world)
+        inputs.old_logp = sharded_logprobs(model, inputs, temperature, micro, rank, world)
     if algo.kl_type.value != "none":
         ref = build(policy_folder(ctx, 0)[0], config, device, world, train=False)[0]
-        inputs.ref_logp = sharded_logprobs(ref, inputs, temperature, rank, world)
+        inputs.ref_logp = sharded_logprobs(ref, inputs, temperature, micro, rank, world)
         del ref
 
     def on_step(step: int) -> None:
         process_hooks.fire("update_worker_step", experiment=config.experiment, epoch=job["epoch"], rank=rank,
                            step=step)
 
-    totals, steps = train_steps(model, optimizer, inputs, algo, temperature, job["seed"], job["first_step"], on_step)
+    totals, steps = train_steps(model, optimizer, inputs, algo, temperature, job["seed"], on_step, job["first_step"],
+                                micro_batch_size=micro, rank=rank, world=world)
+    totals = sum_over_workers(totals, device)
     writer = UnitWriter(ctx.store, job["unit"], job["attempt"])
     hyper = save_outputs(model, core, optimizer, tokenizer, folder, writer, rank, world)
     files = gather_files(writer, world)
@@ -100,107 +94,67 @@ def train_loop(job: dict[str, Any]) -> None:
 
 def build(folder: Path, config: Any, device: torch.device, world: int, *,
           train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the module to call, the module whose parameter names the checkpoints use) for the strategy.
+    """(the module to call: a ``ResponseLogProbs``, wrapped; the causal LM whose parameter names the
+    checkpoints use) for the strategy.
 
-    ddp: DDP around the full model (a frozen reference model needs no wrapper); fsdp2: one
-    sharded module, both roles.
+    The trained model is in ``model.train_dtype``, a frozen reference in ``model.dtype``. ddp: DDP
+    around the trained model's ``ResponseLogProbs`` (autocast to ``model.dtype`` when narrower; a
+    frozen reference needs no DDP); fsdp2: the ``ResponseLogProbs`` is the FSDP2 root, its mixed
+    precision casts to the compute dtype (``sharding.compute_dtype``).
     """
     res = config.phase_resources("update")
+    dtype = config.model.train_dtype if train else config.model.dtype
     if res.strategy == UpdateStrategy.fsdp2:
-        model = sharding.sharded(folder, config.model.dtype, device, world, res)
-        return model, model
-    core = load_policy(folder, config.model.dtype)[0].to(device)
-    return (sharding.replicated(core, device) if train else core), core
+        model = sharding.sharded(folder, dtype, sharding.compute_dtype(config), device, world, res)
+        return model, model.lm
+    core = load_policy(folder, dtype)[0].to(device)
+    if not train:
+        return ResponseLogProbs(core), core
+    return sharding.replicated(ResponseLogProbs(core, autocast_dtype(config.model)), device), core
 
 
-def sharded_logprobs(model: torch.nn.Module, inputs: UpdateInputs, temperature: float, rank: int,
-                     world: int) -> torch.Tensor:
-    """Frozen log-probs ``[B, R]`` of every row: each worker computes its contiguous share, then all-gather.
-
-    A worker without rows (fewer rows than workers) still runs one forward, since fsdp2's
-    forward is collective; its result is dropped.
-    """
+def sharded_logprobs(model: torch.nn.Module, inputs: UpdateInputs, temperature: float, micro_batch_size: int | None,
+                     rank: int, world: int) -> torch.Tensor:
+    """Frozen log-probs ``[B, R]`` of every row: each worker computes its contiguous share, then all-gather."""
     import torch.distributed as dist
 
-    chunks = torch.tensor_split(torch.arange(len(inputs)), world)
-    rows = chunks[rank] if len(chunks[rank]) else chunks[0][:1]
-    with torch.no_grad():
-        model.eval()
-        logp = response_logprobs(model, select_rows(inputs.data, rows), temperature)[0]
+    share = frozen_logprobs(model, inputs, temperature, micro_batch_size, rank, world)
     if hasattr(model, "reshard"):  # fsdp2 keeps the root's parameters gathered after a forward: shard them again
         model.reshard()
-    padded = logp.new_zeros((len(chunks[0]), logp.size(1)))
-    padded[: len(chunks[rank])] = logp[: len(chunks[rank])]
+    counts = [len(chunk) for chunk in torch.tensor_split(torch.arange(len(inputs)), world)]
+    padded = share.new_zeros((counts[0], share.size(1)))
+    padded[: len(share)] = share
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
-    return torch.cat([part[: len(chunk)] for part, chunk in zip(gathered, chunks)])
+    return torch.cat([part[:count] for part, count in zip(gathered, counts)])
 
 
-def shard_rows(
-    inputs: UpdateInputs, rows: torch.Tensor, rank: int, world: int, loss_agg_mode: str
-) -> tuple[torch.Tensor, float, float]:
-    """This worker's rows of a minibatch and its weights (loss weight, token-mean weight).
-
-    The rows are split into ``world`` contiguous parts. A worker left without rows (a
-    minibatch shorter than the worker count) runs one row with weight 0, so every worker
-    takes part in every collective of the step.
-    """
-    shard = torch.tensor_split(rows, world)[rank]
-    if len(shard) == 0:
-        return rows[:1], 0.0, 0.0
-    mask = inputs.data["response_mask"]
-    token_w = float(mask[shard].sum()) / max(float(mask[rows].sum()), 1.0)
-    loss_w = token_w if loss_agg_mode == "token-mean" else len(shard) / len(rows)
-    return shard, loss_w, token_w
-
-
-def train_steps(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: UpdateInputs, algo: AlgorithmConfig,
-    temperature: float, seed: int, first_step: int, on_step: Any,
-) -> tuple[dict[str, float], int]:
-    """This worker's part of the optimisation from global step ``first_step``. Returns (global metric sums, steps)."""
+def sum_over_workers(totals: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every worker's metric sums added up (float64, on the worker's device: NCCL reduces no CPU tensor)."""
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model.train()
-    totals: dict[str, float] = {}
-    steps = 0
-    for rows in minibatch_rows(len(inputs), algo, seed):
-        shard, loss_w, token_w = shard_rows(inputs, rows, rank, world, algo.loss_agg_mode.value)
-        loss, metrics = minibatch_loss(model, inputs, shard, algo, temperature)
-        on_step(steps + 1)
-        optimizer.zero_grad(set_to_none=True)
-        (loss * (loss_w * world)).backward()  # the framework averages over workers: the sum is wanted
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.grad_clip)
-        set_lr(optimizer, algo, first_step + steps)
-        optimizer.step()
-        metrics["actor/loss"] = loss.item()
-        weighted = {k: v * (token_w if k in TOKEN_MEAN_METRICS else loss_w) for k, v in metrics.items()}
-        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        weighted["actor/grad_norm"] = float(norm) if rank == 0 else 0.0  # the same on every worker
-        accumulate(totals, weighted)
-        steps += 1
     keys = list(totals)
-    sums = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+    sums = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(sums)
-    return dict(zip(keys, sums.tolist())), steps
+    return dict(zip(keys, sums.tolist()))
 
 
 def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
                  folder: Path, writer: UnitWriter, rank: int, world: int) -> dict[str, Any]:
     """Write this worker's share of the unit's files into the attempt; returns the optimizer hyperparameters."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     hyper: dict[str, Any] = {}
     with writer.folder() as out:  # this worker's own staging folder: ranks never see each other's files
-        if model is not core:  # ddp: rank 0 holds everything
+        if not isinstance(model, FSDPModule):  # ddp: rank 0 holds everything
             if rank == 0:
                 core.eval()
                 save_policy(core, tokenizer, out)
                 hyper = save_optimizer(optimizer, core, out)
         else:
-            sharding.write_full_weights(model, out / WEIGHTS if rank == 0 else None)
-            rows = save_optimizer_shard(optimizer, model, out / optimizer_shard_name(rank))
+            sharding.write_full_weights(core, out / WEIGHTS if rank == 0 else None)
+            rows = save_optimizer_shard(optimizer, core, out / optimizer_shard_name(rank))
             every = [None] * world
             dist.all_gather_object(every, rows)
             if rank == 0:
