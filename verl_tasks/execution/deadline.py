@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from verl_tasks.errors import UnitTimeout
 
@@ -59,10 +59,10 @@ def unit_deadline(unit: str, phase: str, timeout_s: float | None) -> Iterator[No
 
 
 def drop_warm_state() -> None:
-    """Forget the loaded policies and the vLLM engine; the next unit loads from the store."""
-    from verl_tasks.models import engines
+    """Forget the loaded policies and shut the vLLM engine down; the next unit loads from the store."""
+    from verl_tasks.models import vllm_engine
     from verl_tasks.models.policy_cache import POLICIES
 
     POLICIES.clear()
-    engines.drop_vllm_engine()
+    vllm_engine.shutdown()
     log.warning("a unit timed out in this process: its warm policies were dropped")

@@ -146,6 +146,9 @@ class PoolWorker:
             idle = self._busy is None
             if idle and (self._retired or time.monotonic() - self._last_used > self.idle_release_s):
                 log.info("%s worker exits (%s)", self.kind, "retired" if self._retired else "idle")
+                from verl_tasks.models import vllm_engine
+
+                vllm_engine.shutdown()  # its engine-core process (and GPU share) goes before the worker does
                 release_placement_group(ray.get_runtime_context().get_actor_name())
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return

@@ -1,19 +1,23 @@
-"""Generation engines behind one signature: ``hf`` (transformers generate, CPU/GPU)
-and ``vllm`` (GPU, optional extra). Both sample ``n`` responses per prompt from a
-seed, so a retried rollout reproduces its samples."""
+"""Generation engines behind one signature: ``hf`` (transformers ``generate``) and ``vllm``.
+
+Both sample ``n`` responses per prompt from a seed, so a retried rollout reproduces
+its samples; both sample exactly what the config says (nothing inherited from the
+checkpoint's ``generation_config.json`` but its EOS ids), and both stop at, and trim
+after, every EOS id the checkpoint declares. The vLLM engine itself lives in
+:mod:`verl_tasks.models.vllm_engine`.
+"""
 from __future__ import annotations
 
 import json
-import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from verl_tasks.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,39 @@ class Generation:
     sample_index: int
     response_ids: list[int]
     text: str
-    finished: bool  # ended with EOS within the token budget
+    finished: bool  # ended with an EOS id within the token budget
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What an engine samples from: the verified snapshot folder on local disk and its tokenizer;
+    ``model`` is the loaded module for the HF engine, None where vLLM serves (it loads the folder)."""
+
+    tokenizer: Any
+    folder: Path
+    model: torch.nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine settings of an experiment (``rollout.*``, ``model.dtype``, ``data``): the one set
+    every caller builds an engine from (rollout, evaluation, the GPU check). Only vLLM reads them.
+
+    ``enforce_eager`` None: eager on the CPU (no graphs to capture), CUDA graphs on a GPU.
+    """
+
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | None = None
+    max_model_len: int | None = None
+
+
+def engine_options(config: Any) -> EngineOptions:
+    """The engine settings of an experiment config."""
+    rollout = config.rollout
+    return EngineOptions(rollout.gpu_memory_utilization, config.model.dtype, rollout.tensor_parallel_size,
+                         rollout.enforce_eager, config.data.max_prompt_tokens + rollout.max_new_tokens)
 
 
 Engine = Callable[..., list[Generation]]
@@ -53,134 +89,88 @@ def get_engine(name: str) -> Engine:
     return ENGINES[name]
 
 
-def _trim(ids: list[int], eos_id: int) -> tuple[list[int], bool]:
-    if eos_id in ids:
-        return ids[: ids.index(eos_id) + 1], True
+def stop_token_ids(tokenizer: Any, folder: Path) -> list[int]:
+    """Every EOS id of the policy: the tokenizer's and those of its ``generation_config.json``
+    (chat models list several, e.g. end-of-turn and end-of-text); vLLM stops on all of them."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    path = Path(folder) / "generation_config.json"
+    if path.is_file():
+        declared = json.loads(path.read_text()).get("eos_token_id")
+        ids += declared if isinstance(declared, list) else [declared] if declared is not None else []
+    return sorted(set(ids))
+
+
+def trim_at_stop(ids: list[int], stop: list[int]) -> tuple[list[int], bool]:
+    """The response up to and including its first EOS id, and whether it had one."""
+    for position, token in enumerate(ids):
+        if token in stop:
+            return ids[: position + 1], True
     return ids, False
+
+
+def _generation(prompt: int, sample: int, ids: list[int], tokenizer: Any, stop: list[int]) -> Generation:
+    ids, finished = trim_at_stop(ids, stop)
+    text = tokenizer.decode([t for t in ids if t not in stop], skip_special_tokens=True)
+    return Generation(prompt, sample, ids, text, finished)
+
+
+@contextmanager
+def sampling_only_as_configured(model: Any) -> Iterator[None]:
+    """``generate`` fills every setting the call leaves unset from the checkpoint's generation config
+    (a repetition penalty, top-k, ...): samples would then come from another distribution than the
+    one the update scores. Swap in an empty one for the call; the saved snapshot keeps the original."""
+    from transformers import GenerationConfig
+
+    kept = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = kept
 
 
 @register_engine("hf")
 @torch.no_grad()
-def generate_hf(
-    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None,
-    options: "EngineOptions | None" = None, on_engine: Callable[[str], None] | None = None,
-) -> list[Generation]:
-    """Left-padded batched ``generate``; responses are trimmed at (and keep) the first EOS.
+def generate_hf(policy: Policy, prompts: list[list[int]], spec: SamplingSpec, options: EngineOptions | None = None,
+                on_engine: Callable[[str], None] | None = None) -> list[Generation]:
+    """Left-padded batched ``generate`` on the (warm, cached) policy module; no engine to build."""
+    from transformers import GenerationConfig
 
-    The HF engine is the (warm, cached) policy module itself: no engine to build, no options."""
-    del policy_dir, options, on_engine
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    del options, on_engine
+    # A transformers causal LM (PreTrainedModel + GenerationMixin): no one base types both .device and .generate.
+    model: Any = policy.model
+    tokenizer = policy.tokenizer
+    if model is None:
+        raise ValueError("the hf engine samples from a loaded model; none was given")
+    stop, pad = stop_token_ids(tokenizer, policy.folder), tokenizer.pad_token_id
     width = max(len(ids) for ids in prompts)
     padded = [[pad] * (width - len(ids)) + ids for ids in prompts]  # left-padded, one row per prompt
     masks = [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts]
     input_ids = torch.tensor(padded, dtype=torch.long).repeat_interleave(spec.n, dim=0).to(model.device)
     mask = torch.tensor(masks, dtype=torch.long).repeat_interleave(spec.n, dim=0).to(model.device)
-    torch.manual_seed(spec.seed)  # seeds the CPU and every CUDA device
-    kwargs: dict[str, Any] = dict(max_new_tokens=spec.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
     if spec.greedy:
-        kwargs.update(do_sample=False)
+        settings = GenerationConfig(do_sample=False)
     else:
-        kwargs.update(do_sample=True, temperature=spec.temperature, top_p=spec.top_p, top_k=0)
-    out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
-    results = []
-    for i, row in enumerate(out[:, width:].tolist()):
-        ids, finished = _trim(row, eos)
-        text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
-        results.append(Generation(i // spec.n, i % spec.n, ids, text, finished))
-    return results
+        settings = GenerationConfig(do_sample=True, temperature=spec.temperature, top_p=spec.top_p, top_k=0)
+    settings.update(max_new_tokens=spec.max_new_tokens, pad_token_id=pad, eos_token_id=stop)
+    torch.manual_seed(spec.seed)  # seeds the CPU and every CUDA device
+    with sampling_only_as_configured(model):
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=settings)
+    return [_generation(i // spec.n, i % spec.n, row, tokenizer, stop) for i, row in enumerate(out[:, width:].tolist())]
 
 
 @register_engine("vllm")
-def generate_vllm(
-    model: Any, tokenizer: Any, prompts: list[list[int]], spec: SamplingSpec, policy_dir: Path | None = None,
-    options: "EngineOptions | None" = None, on_engine: Callable[[str], None] | None = None,
-) -> list[Generation]:
-    """vLLM generation from the policy folder, one seed per request (prompt)."""
-    del model
-    try:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-    except ImportError as err:
-        raise ConfigError("rollout.engine 'vllm' needs the extra: pip install 'verl-tasks[vllm]' on a GPU node") from err
-    if policy_dir is None:
-        raise ConfigError("the vllm engine needs the policy folder on local disk")
-    llm = _vllm_engine(str(policy_dir), options or EngineOptions(), on_engine)
-    params = [
-        SamplingParams(
-            n=spec.n,
-            temperature=0.0 if spec.greedy else spec.temperature,
-            top_p=1.0 if spec.greedy else spec.top_p,
-            max_tokens=spec.max_new_tokens,
-            seed=spec.seed + i,
-        )
-        for i in range(len(prompts))
-    ]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
-    eos = tokenizer.eos_token_id
-    results = []
-    for i, output in enumerate(outputs):
-        for j, completion in enumerate(output.outputs):
-            ids, finished = _trim(list(completion.token_ids), eos)
-            text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
-            results.append(Generation(i, j, ids, text, finished))
-    return results
+def generate_vllm(policy: Policy, prompts: list[list[int]], spec: SamplingSpec, options: EngineOptions | None = None,
+                  on_engine: Callable[[str], None] | None = None) -> list[Generation]:
+    """vLLM generation from the policy folder's inference files; sample ``j`` of prompt ``i`` is seeded
+    ``seed + i * n + j`` (:func:`verl_tasks.models.vllm_engine.request_seeds`)."""
+    from verl_tasks.models import vllm_engine
+
+    stop = stop_token_ids(policy.tokenizer, policy.folder)
+    completions = vllm_engine.generate(policy.folder, prompts, spec, options or EngineOptions(), stop, on_engine)
+    return [_generation(i, j, ids, policy.tokenizer, stop) for i, samples in enumerate(completions)
+            for j, ids in enumerate(samples)]
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """Engine settings from the config (``rollout.*``, ``model.dtype``); only vLLM reads them."""
-
-    gpu_memory_utilization: float = 0.5
-    dtype: str = "float32"
-    tensor_parallel_size: int = 1
-
-
-def engine_options(config: Any) -> EngineOptions:
-    """The engine settings of an experiment config."""
-    return EngineOptions(config.rollout.gpu_memory_utilization, config.model.dtype,
-                         config.rollout.tensor_parallel_size)
-
-
-_VLLM: dict[str, Any] = {}  # one engine per process: {"engine", "key", "path"}
-
-
-def drop_vllm_engine() -> None:
-    """Forget the process's engine (its weights may be half reloaded); the next rollout builds one."""
-    _VLLM.clear()
-
-
-def _vllm_engine(path: str, options: EngineOptions, on_engine: Callable[[str], None] | None = None) -> Any:
-    """The process's vLLM engine holding policy ``path``.
-
-    Same folder: reused. Another folder of the same architecture and options: its weights
-    are reloaded into the running engine (``collective_rpc``; no new engine, no new CUDA
-    graphs); if that engine cannot reload in place, a new engine is built. ``on_engine``
-    hears "built" or "reloaded". Not yet run on a GPU (no GPU was lent to this project).
-    """
-    from vllm import LLM
-
-    key = (json.dumps(json.loads((Path(path) / "config.json").read_text()), sort_keys=True), options)
-    current = _VLLM.get("engine")
-    if current is not None and _VLLM["path"] == path:
-        return current
-    if current is not None and _VLLM["key"] == key:
-        try:
-            _VLLM["path"] = None  # until the reload completes: one interrupted half way is never reused
-            current.collective_rpc("update_config", args=({"model_config": {"model": path}},))
-            current.collective_rpc("reload_weights")
-            _VLLM["path"] = path
-            if on_engine:
-                on_engine("reloaded")
-            return current
-        except Exception as err:  # noqa: BLE001 - an engine without in-place reload is rebuilt
-            log.warning("vLLM engine could not reload weights in place (%s); building a new one", err)
-    _VLLM.clear()
-    sharded = options.tensor_parallel_size > 1  # its workers go into the pool actor's placement group
-    engine = LLM(model=path, seed=0, enforce_eager=True, dtype=options.dtype,
-                 gpu_memory_utilization=options.gpu_memory_utilization,
-                 tensor_parallel_size=options.tensor_parallel_size,
-                 distributed_executor_backend="ray" if sharded else None)
-    _VLLM.update(engine=engine, key=key, path=path)
-    if on_engine:
-        on_engine("built")
-    return engine
+__all__ = ["SamplingSpec", "Generation", "Policy", "EngineOptions", "engine_options", "get_engine", "stop_token_ids",
+           "trim_at_stop"]

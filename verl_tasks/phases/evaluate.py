@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from verl_tasks import data as data_mod
+from verl_tasks.events import record_event
 from verl_tasks.models.engines import SamplingSpec, engine_options, get_engine
-from verl_tasks.phases.common import PhaseContext, derive_seed, load_version, run_unit
+from verl_tasks.phases.common import PhaseContext, derive_seed, run_unit, sampling_policy
 from verl_tasks.phases.prepare import eval_rows
 from verl_tasks.phases.snapshot import retain_after_evaluate
 from verl_tasks.rewards.sandbox import warm_sandbox
@@ -21,21 +22,26 @@ CHUNK = 256
 def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> CommitRecord:
     cfg = ctx.config
 
+    def on_engine(how: str) -> None:
+        record_event(ctx.store, ctx.layout, "engine_loaded", how=how, engine=cfg.rollout.engine, version=version,
+                     epoch=epoch, phase="evaluate")
+
     def produce(writer: UnitWriter) -> dict[str, Any]:
         rows = eval_rows(ctx)[: cfg.evaluate.max_prompts]
-        model, tokenizer, folder = load_version(ctx, version)
-        engine = get_engine(cfg.rollout.engine)
+        policy = sampling_policy(ctx, version)
+        tokenizer, engine = policy.tokenizer, get_engine(cfg.rollout.engine)
         spec = SamplingSpec(n=1, temperature=1.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
                             seed=derive_seed(cfg.seed, version, "evaluate"), greedy=True)
-        texts = []
+        texts: list[str] = []
         for start in range(0, len(rows), CHUNK):
             chunk = rows[start : start + CHUNK]
-            ids = [tokenizer(data_mod.prompt_text(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for r in chunk]
-            texts.extend(g.text for g in engine(model, tokenizer, ids, spec, policy_dir=folder,
-                                                options=engine_options(cfg)))
+            ids = [tokenizer(data_mod.prompt_text(r["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
+                   for r in chunk]
+            texts.extend(g.text for g in engine(policy, ids, spec, engine_options(cfg), on_engine))
         requests = [
-            {"id": r["id"], "data_source": r["data_source"], "solution_str": t, "ground_truth": r["ground_truth"], "extra_info": r["extra_info"]}
-            for r, t in zip(rows, texts)
+            {"id": r["id"], "data_source": r["data_source"], "solution_str": t, "ground_truth": r["ground_truth"],
+             "extra_info": r["extra_info"]}
+            for r, t in zip(rows, texts, strict=True)
         ]
         with warm_sandbox(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.memory_limit_mb) as sandbox:
             result = sandbox.score(requests, cfg.rewards.default_score)
@@ -50,7 +56,7 @@ def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> 
         writer.write_json("metrics.json", metrics)
         writer.write_jsonl(
             "predictions.jsonl",
-            [{"id": r["id"], "response": t, "score": s} for r, t, s in zip(rows, texts, result.scores)],
+            [{"id": r["id"], "response": t, "score": s} for r, t, s in zip(rows, texts, result.scores, strict=True)],
         )
         return {"metrics": metrics}
 

@@ -6,7 +6,7 @@ from typing import Any
 from verl_tasks import data as data_mod
 from verl_tasks.events import record_event
 from verl_tasks.models.engines import SamplingSpec, engine_options, get_engine
-from verl_tasks.phases.common import PhaseContext, load_version, require, run_unit
+from verl_tasks.phases.common import PhaseContext, require, run_unit, sampling_policy
 from verl_tasks.phases.prepare import train_rows
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json
 
@@ -24,10 +24,12 @@ def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
             raise ValueError(f"batch {batch} is not in the plan of epoch {epoch} ({len(planned['batches'])} batches)")
         spec_batch = planned["batches"][batch]
         rows = {row["id"]: row for row in train_rows(ctx)}
-        model, tokenizer, folder = load_version(ctx, planned["policy_version"])
+        policy = sampling_policy(ctx, planned["policy_version"])
+        tokenizer = policy.tokenizer
         prompts = [rows[pid] for pid in spec_batch["prompt_ids"]]
         prompt_ids = [
-            tokenizer(data_mod.prompt_text(p["prompt"], tokenizer), add_special_tokens=False)["input_ids"] for p in prompts
+            tokenizer(data_mod.prompt_text(p["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
+            for p in prompts
         ]
         spec = SamplingSpec(
             n=cfg.algorithm.group_size,
@@ -38,9 +40,10 @@ def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
         )
         ctx.hook("rollout_generate", epoch=epoch, batch=batch)
         generations = get_engine(cfg.rollout.engine)(
-            model, tokenizer, prompt_ids, spec, policy_dir=folder, options=engine_options(cfg),
-            on_engine=lambda how: record_event(ctx.store, ctx.layout, "engine_loaded", how=how, engine=cfg.rollout.engine,
-                                               version=planned["policy_version"], epoch=epoch, batch=batch))
+            policy, prompt_ids, spec, engine_options(cfg),
+            on_engine=lambda how: record_event(ctx.store, ctx.layout, "engine_loaded", how=how,
+                                               engine=cfg.rollout.engine, version=planned["policy_version"],
+                                               epoch=epoch, batch=batch))
         samples = []
         for gen in generations:
             prompt = prompts[gen.prompt_index]
@@ -57,6 +60,7 @@ def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
             )
         writer.write_jsonl("samples.jsonl", samples)
         finished = sum(s["finished"] for s in samples)
-        return {"samples": len(samples), "finished_fraction": finished / max(1, len(samples)), "engine": cfg.rollout.engine}
+        return {"samples": len(samples), "finished_fraction": finished / max(1, len(samples)),
+                "engine": cfg.rollout.engine}
 
     return run_unit(ctx, "rollout", ctx.layout.rollout(epoch, batch), epoch, produce, batch=batch)

