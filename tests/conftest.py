@@ -73,11 +73,14 @@ def small_overrides(**extra) -> dict:
     return base
 
 
-def write_yaml(folder: Path, overrides: dict) -> Path:
-    """The tiny experiment YAML with dotted-key overrides applied, written to ``folder/exp.yaml``."""
+def write_yaml(folder: Path, overrides: dict, base: Path = TINY_YAML) -> Path:
+    """An experiment YAML (the tiny one by default) with dotted-key overrides applied.
+
+    Written to ``folder/exp.yaml``.
+    """
     import yaml
 
-    raw = yaml.safe_load(TINY_YAML.read_text())
+    raw = yaml.safe_load(base.read_text())
     for dotted, value in overrides.items():
         node = raw
         *parents, leaf = dotted.split(".")

@@ -16,8 +16,10 @@ from typing import Any
 from verl_tasks.errors import DataError
 
 BUILTIN_ARITH = "builtin:arith"
+BUILTIN_ARITH_CHAT = "builtin:arith-chat"
 ARITH_SOURCE = "arith"
 OPERAND_RANGE = 100
+CHAT_QUESTION = "What is {a}+{b}? Reply with the number only."
 
 
 def arith_pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -27,7 +29,8 @@ def arith_pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]
     return pairs[1000:], pairs[:1000]
 
 
-def arith_rows(seed: int, split: str, size: int) -> list[dict[str, Any]]:
+def arith_rows(seed: int, split: str, size: int, chat: bool = False) -> list[dict[str, Any]]:
+    """The built-in problems: ``a+b=`` for the tiny model, or (``chat``) one user message for a chat model."""
     train, held_out = arith_pairs(seed)
     pool = train if split == "train" else held_out
     if size > len(pool):
@@ -35,7 +38,7 @@ def arith_rows(seed: int, split: str, size: int) -> list[dict[str, Any]]:
     return [
         {
             "id": f"arith-{split}-{a:02d}+{b:02d}",
-            "prompt": f"{a}+{b}=",
+            "prompt": [{"role": "user", "content": CHAT_QUESTION.format(a=a, b=b)}] if chat else f"{a}+{b}=",
             "ground_truth": str(a + b),
             "data_source": ARITH_SOURCE,
             "extra_info": {"a": a, "b": b},
@@ -108,8 +111,8 @@ def read_parquet(path: Path) -> list[dict[str, Any]]:
 
 def load_rows(source: str, split: str, seed: int, size: int) -> list[dict[str, Any]]:
     """Normalised rows of a data source; raises DataError naming the problem and the fix."""
-    if source == BUILTIN_ARITH:
-        rows = arith_rows(seed, split, size)
+    if source in (BUILTIN_ARITH, BUILTIN_ARITH_CHAT):
+        rows = arith_rows(seed, split, size, chat=source == BUILTIN_ARITH_CHAT)
     else:
         path = Path(source[len("file://") :] if source.startswith("file://") else source)
         if not path.is_file():

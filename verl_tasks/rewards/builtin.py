@@ -6,6 +6,7 @@ from typing import Any
 
 _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_INTEGER = re.compile(r"-?\d+")
 
 
 def extract_gsm8k_answer(solution_str: str) -> str | None:
@@ -45,4 +46,16 @@ def first_number(
     try:
         return 1.0 if float(match.group()) == float(ground_truth) else 0.0
     except ValueError:
+        return 0.0
+
+
+def last_integer(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> float:
+    """1.0 when the last integer in the response equals the ground truth (a chat model's "17 + 25 = 42."
+    counts; "17 + 25 = 32." does not). Thousands separators are ignored."""
+    found = _INTEGER.findall(solution_str.replace(",", ""))
+    try:
+        return 1.0 if found and int(found[-1]) == int(str(ground_truth).strip()) else 0.0
+    except ValueError:  # a ground truth that is no integer: never matched
         return 0.0
