@@ -39,8 +39,8 @@ def fabricate(root: Path, experiment: str, epochs: int, batches: int) -> None:
             for batch in (range(batches) if spec.batched else [None]):
                 unit = spec.unit(layout, epoch, batch)
                 metrics = _metrics(name, epoch)
-                record = CommitRecord(unit, f"a{epoch}{name}{batch}", {"model.safetensors": FileEntry(2 << 20, "0" * 64)},
-                                      {"metrics": metrics}, clock)
+                files = {"model.safetensors": FileEntry(2 << 20, "0" * 64)}
+                record = CommitRecord(unit, f"a{epoch}{name}{batch}", files, {"metrics": metrics}, clock)
                 store.put(f"{unit}/{MARKER}", record.to_json())
                 for kind in ("started", "committed"):
                     clock += 0.5
@@ -49,8 +49,9 @@ def fabricate(root: Path, experiment: str, epochs: int, batches: int) -> None:
                             "attempt": record.attempt, "duration_s": 0.5, "bytes": 2 << 20}
                     store.put(f"{layout.events}/{stamp}-{kind}-{epoch:05d}{name[:3]}{batch or 0}.json",
                               json.dumps(body).encode())
-    store.put(layout.latest, json.dumps({"version": epochs, "unit": layout.snapshot(epochs), "attempt": "a",
-                                         "weights_sha256": "0" * 64, "uri": store.url(layout.snapshot(epochs))}).encode())
+    latest = {"version": epochs, "unit": layout.snapshot(epochs), "attempt": "a",
+              "weights_sha256": "0" * 64, "uri": store.url(layout.snapshot(epochs))}
+    store.put(layout.latest, json.dumps(latest).encode())
 
 
 def _metrics(phase: str, epoch: int) -> dict[str, float]:

@@ -26,7 +26,8 @@ MARK = "verl-tasks timing "
 def task_instances(db: Path, dag_id: str) -> list[dict]:
     """The latest run's task instances that ran, in start order."""
     with sqlite3.connect(db) as conn:
-        run_id = conn.execute("SELECT run_id FROM dag_run WHERE dag_id=? ORDER BY id DESC LIMIT 1", (dag_id,)).fetchone()
+        run_id = conn.execute("SELECT run_id FROM dag_run WHERE dag_id=? ORDER BY id DESC LIMIT 1",
+                              (dag_id,)).fetchone()
         if run_id is None:
             raise SystemExit(f"no run of {dag_id} in {db}")
         rows = conn.execute("SELECT task_id, map_index, start_date, end_date, state FROM task_instance "

@@ -27,9 +27,9 @@ def child(epochs: int, freeze: bool) -> None:
     import gc
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    import inline_step
     import torch
 
-    import inline_step
     import verl_tasks.runner
 
     if not freeze:

@@ -91,7 +91,8 @@ class HandLoop:
                 resp_mask[i, row.index(tok.eos_token_id) + 1:] = 0
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         truth = [r["ground_truth"] for r in batch for _ in range(GROUP)]
-        scores = torch.tensor([1.0 if t.strip() == g else 0.0 for t, g in zip(texts, truth)]).view(PROMPTS, GROUP)
+        rewards = [1.0 if t.strip() == g else 0.0 for t, g in zip(texts, truth, strict=True)]
+        scores = torch.tensor(rewards).view(PROMPTS, GROUP)
         adv = ((scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-6)).view(-1, 1)
         self.model.train()
         full_mask = torch.cat([mask, (resp_mask > 0).long()], dim=1)

@@ -51,9 +51,8 @@ def bench_end_to_end(workdir: Path) -> dict:
 
 
 def bench_commit(workdir: Path, repeats: int = 30) -> dict:
-    from moto.server import ThreadedMotoServer
-
     import boto3
+    from moto.server import ThreadedMotoServer
 
     from verl_tasks.store import open_store
     from verl_tasks.store.units import UnitWriter
@@ -65,7 +64,8 @@ def bench_commit(workdir: Path, repeats: int = 30) -> dict:
     host, port = server._server.server_address  # noqa: SLF001 - the bound port
     endpoint = f"http://{host}:{port}"
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
-    stores = {"local": open_store(f"file://{workdir}/commit"), "s3 (moto)": open_store("s3://bench/p", endpoint_url=endpoint)}
+    stores = {"local": open_store(f"file://{workdir}/commit"),
+              "s3 (moto)": open_store("s3://bench/p", endpoint_url=endpoint)}
     payload = os.urandom(64 << 10)
     results = {}
     for name, store in stores.items():
@@ -94,7 +94,8 @@ def write_markdown(e2e: dict, commit: dict, command: str) -> str:
     lines = [
         "# Benchmarks",
         "",
-        f"Produced by `{command}` on {platform.machine()} with {os.cpu_count()} cores, Python {platform.python_version()},",
+        f"Produced by `{command}` on {platform.machine()} with {os.cpu_count()} cores, "
+        f"Python {platform.python_version()},",
         f"{time.strftime('%Y-%m-%d', time.gmtime())}. Medians; everything in one run, side by side.",
         "",
         "## Tiny experiment end to end (inline CLI, `dags/experiments/tiny_arith.yaml`)",

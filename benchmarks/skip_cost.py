@@ -87,7 +87,7 @@ def main() -> None:
         if args.backend != "inline":
             local_head.stop(head_state)
     print(f"backend {args.backend}, {args.epochs} epochs, load {open('/proc/loadavg').read().split()[:3]}")
-    print(f"| run | wall (s) | tasks that ran | s per task |\n|---|---:|---:|---:|")
+    print("| run | wall (s) | tasks that ran | s per task |\n|---|---:|---:|---:|")
     for name, took, ran in (("first run (trains)", first, ran_first), ("rerun, all committed", rerun, ran_rerun),
                             ("no-op tasks, same count", noop, ran_noop)):
         print(f"| {name} | {took:.1f} | {ran} | {took / max(1, ran):.2f} |")

@@ -96,7 +96,7 @@ class Head:
         assert self.wait(second.submission_id) == "SUCCEEDED"
         if phase:
             times = self.times.setdefault(phase, {step: [] for step in STEPS})
-            for step, took in zip(STEPS, (t1 - t0, t3 - t2, t4 - t3)):
+            for step, took in zip(STEPS, (t1 - t0, t3 - t2, t4 - t3), strict=True):
                 times[step].append(took * 1000)
 
 

@@ -1,6 +1,7 @@
 """The tiny experiment with its update on 1, 2 and 4 workers, ddp and fsdp2: update time per epoch and accuracy.
 
-    .venv/bin/python benchmarks/update_scaling.py [--epochs 8] [--runs 1-ddp,1-fsdp2,2-ddp,2-fsdp2,4-ddp] [--json out.json]
+    .venv/bin/python benchmarks/update_scaling.py [--epochs 8] [--json out.json]
+        [--runs 1-ddp,1-fsdp2,2-ddp,2-fsdp2,4-ddp]
 
 Every run trains ``dags/experiments/tiny_arith.yaml`` for ``--epochs`` epochs into a fresh store, in
 this one process (the inline runner), with ``resources.update.workers``/``strategy`` set; the
@@ -80,13 +81,14 @@ def main() -> None:
             del result["weights"]  # a temporary path
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.epochs} epochs")
-    print("| run | update s/epoch (median) | ratio | update s total | wall s | base acc | final acc | gain (points) | max |w - w(first)| |")
+    print("| run | update s/epoch (median) | ratio | update s total | wall s | base acc | final acc | gain (points) "
+          "| max |w - w(first)| |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         gain = 100 * (r["accuracy"][-1] - r["base_accuracy"])
-        print(f"| {r['run']} | {r['update_s_median']:.1f} | {r['update_ratio_vs_first']:.2f} | {r['update_s_total']:.0f} | "
-              f"{r['wall_s']:.0f} | {r['base_accuracy']:.3f} | {r['accuracy'][-1]:.3f} | {gain:+.1f} | "
-              f"{r['max_weight_diff_vs_first']:.2e} |")
+        print(f"| {r['run']} | {r['update_s_median']:.1f} | {r['update_ratio_vs_first']:.2f} "
+              f"| {r['update_s_total']:.0f} | {r['wall_s']:.0f} | {r['base_accuracy']:.3f} "
+              f"| {r['accuracy'][-1]:.3f} | {gain:+.1f} | {r['max_weight_diff_vs_first']:.2e} |")
     if args.json:
         args.json.write_text(json.dumps({"load_average": load, "results": results}, indent=1))
 

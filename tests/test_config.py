@@ -95,7 +95,8 @@ def test_torch_threads_is_pinned():
     [
         ("verl_tasks.rewards.builtn:exact_answer", "module 'verl_tasks.rewards.builtn' cannot be imported"),
         ("verl_tasks.rewards.builtin:exact_answr", "has no attribute 'exact_answr'"),
-        ("tests.reward_fixtures:two_args", "cannot be called as fn(data_source, solution_str, ground_truth, extra_info)"),
+        ("tests.reward_fixtures:two_args",
+         "cannot be called as fn(data_source, solution_str, ground_truth, extra_info)"),
         ("tests.reward_fixtures:NOT_CALLABLE", "not a function"),
     ],
 )

@@ -21,13 +21,13 @@ import pytest
 
 from verl_tasks.algos import lr_at
 from verl_tasks.config import load_config
-from verl_tasks.events import read_events
 from verl_tasks.errors import BatchesMissing, ConfigError, DataError
+from verl_tasks.events import read_events
 from verl_tasks.layout import Layout
+from verl_tasks.ops.rollback import apply_rollback, plan_rollback
 from verl_tasks.phases.snapshot import apply_retention
 from verl_tasks.runner import make_context, run_phase, status, train
 from verl_tasks.store import open_store
-from verl_tasks.ops.rollback import apply_rollback, plan_rollback
 from verl_tasks.store.conventions import WEIGHTS, forget_best_above, read_best, read_skipped, write_best
 from verl_tasks.store.units import MARKER, is_committed, is_pruned, read_json, read_marker
 
@@ -261,7 +261,8 @@ def test_too_many_failed_batches_fail_validate_naming_the_setting(tiny_config, t
                                              r"fault_tolerance.min_committed_batch_fraction \(0.75\)"):
         train(ctx, 1)
     assert read_skipped(ctx.store, ctx.layout, 0) == []
-    tried = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "started" and e["unit"] == ctx.layout.validate(0)]
+    tried = [e for e in read_events(ctx.store, ctx.layout)
+             if e["kind"] == "started" and e["unit"] == ctx.layout.validate(0)]
     assert len(tried) == 1, "validate again cannot bring the batches back: not retried"
 
 

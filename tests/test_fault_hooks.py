@@ -39,7 +39,8 @@ def test_hooks_load_only_in_processes_the_harness_starts(tmp_path, monkeypatch):
     plain = dict(os.environ)
     assert _registered(plain) == []
     assert _registered({**plain, faults.FAULTS_ENV: str(tmp_path)}) == []  # the variable alone does nothing
-    assert _registered({**plain, **faults.harness_env(tmp_path, plain)}) == ["rollout_generate", "unit_start", "update_worker_step"]
+    registered = _registered({**plain, **faults.harness_env(tmp_path, plain)})
+    assert registered == ["rollout_generate", "unit_start", "update_worker_step"]
 
 
 def test_process_hooks_fire_at_unit_start_and_inside_phases(tiny_config, tmp_path):
@@ -48,8 +49,11 @@ def test_process_hooks_fire_at_unit_start_and_inside_phases(tiny_config, tmp_pat
 
     cfg = tiny_config(**{"model.tiny.warm_start_steps": 20})
     seen: list[tuple[str, dict]] = []
-    handlers = {name: (lambda name: lambda **info: seen.append((name, info)))(name)
-                for name in ("unit_start", "before_commit")}
+
+    def recorder(name: str):
+        return lambda **info: seen.append((name, info))
+
+    handlers = {name: recorder(name) for name in ("unit_start", "before_commit")}
     for name, fn in handlers.items():
         hooks.register(name, fn)
     try:

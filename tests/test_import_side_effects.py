@@ -19,7 +19,8 @@ print(json.dumps({k: [before.get(k), after.get(k)] for k in set(before) | set(af
 
 
 def test_importing_the_package_leaves_the_environment_unchanged(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AIRFLOW_HOME": str(tmp_path / "airflow")}
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AIRFLOW_HOME": str(tmp_path / "airflow")})
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {}

@@ -15,7 +15,7 @@ def test_pinned_prompts_are_parsed_once_per_process_and_verified_on_every_read(t
     plan(ctx, 0)  # pins the data
     first, second = train_rows(ctx), train_rows(ctx)
     assert first == second and first is not second  # a new list each time ...
-    assert all(a is b for a, b in zip(first, second))  # ... of rows parsed once
+    assert all(a is b for a, b in zip(first, second, strict=True))  # ... of rows parsed once
     evals = eval_rows(ctx)
     assert evals[0] is eval_rows(ctx)[0] and {r["id"] for r in evals}.isdisjoint(r["id"] for r in first)
     record = read_marker(ctx.store, ctx.layout.data("train"))
@@ -54,8 +54,7 @@ def test_the_update_resumes_the_optimizer_it_kept_and_ends_on_the_bytes_of_one_r
 
 
 def test_parsed_json_lines_are_kept_within_a_byte_budget_and_every_read_is_verified(tmp_path, monkeypatch):
-    from verl_tasks.store import LocalStore
-    from verl_tasks.store import units
+    from verl_tasks.store import LocalStore, units
 
     store = LocalStore(tmp_path)
     records = []
@@ -105,7 +104,7 @@ def test_a_kept_optimizer_serves_only_its_own_state_over_its_own_model(tiny_conf
     assert kept not in (other_state, other_model, fresh) and not fresh.state
     assert [p for g in other_model.param_groups for p in g["params"]] == list(twin.parameters())
     for loaded, params in ((other_state, model.parameters()), (other_model, twin.parameters())):
-        for mine, theirs in zip(params, model.parameters()):
+        for mine, theirs in zip(params, model.parameters(), strict=True):
             assert torch.equal(loaded.state[mine]["exp_avg"], kept.state[theirs]["exp_avg"])
 
 

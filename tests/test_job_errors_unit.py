@@ -14,7 +14,8 @@ NESTED_DUPLICATE = (
     "Request failed with status code 500: Traceback (most recent call last):\n"
     '  File "/usr/lib/python3.11/site-packages/ray/dashboard/modules/job/job_head.py", line 419, in submit_job\n'
     "    resp = await job_agent_client.submit_job_internal(submit_request)\n"
-    '  File "/usr/lib/python3.11/site-packages/ray/dashboard/modules/job/job_head.py", line 150, in submit_job_internal\n'
+    '  File "/usr/lib/python3.11/site-packages/ray/dashboard/modules/job/job_head.py", line 150, '
+    "in submit_job_internal\n"
     "    await self._raise_error(resp)\n"
     '  File "/usr/lib/python3.11/site-packages/ray/dashboard/modules/job/job_head.py", line 133, in _raise_error\n'
     '    raise RuntimeError(f"Request failed with status code {status}: {error_text}.")\n'

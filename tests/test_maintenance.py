@@ -20,7 +20,7 @@ def _snapshot(store, layout: Layout, version: int) -> None:
 
 @pytest.fixture
 def store(tmp_path):
-    """Experiment ``a`` with snapshots 0-3 (2 pruned by retention); ``b`` with snapshot 0; a folder that is no experiment."""
+    """Experiment ``a`` with snapshots 0-3 (2 pruned by retention); ``b`` with snapshot 0; a non-experiment folder."""
     store = open_store(f"file://{tmp_path}/store")
     for name, versions in (("a", range(4)), ("b", range(1))):
         store.put(Layout(name).experiment_json, json.dumps({"config_hash": "0" * 64, "config": {}}).encode())

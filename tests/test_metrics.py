@@ -150,6 +150,7 @@ def test_status_module_and_operator_skip_path_never_import_torch(tmp_path):
     """``import verl_tasks.status``, and an Airflow phase task whose unit is committed (it returns the marker)."""
     probe = """
 import sys
+root, yaml = sys.argv[1:]
 from types import SimpleNamespace
 import verl_tasks.status, verl_tasks.metrics
 assert "torch" not in sys.modules, "verl_tasks.status/metrics imported torch"
@@ -157,18 +158,19 @@ from verl_tasks.airflow.operators import VerlPhaseOperator
 from verl_tasks.layout import Layout
 from verl_tasks.store import open_store
 from verl_tasks.store.units import UnitWriter
-writer = UnitWriter(open_store("file://%(root)s/.store"), Layout("exp-m").rollout(0, 1))
+writer = UnitWriter(open_store(f"file://{root}/.store"), Layout("exp-m").rollout(0, 1))
 writer.write_json("samples.jsonl", {"x": 1})
 writer.commit({"samples": 3})
-op = VerlPhaseOperator(task_id="rollout", config_path="%(yaml)s", phase="rollout", epoch=0, batch=1, backend="inline")
+op = VerlPhaseOperator(task_id="rollout", config_path=yaml, phase="rollout", epoch=0, batch=1, backend="inline")
 run = SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)
 out = op.execute({"params": {"experiment": "exp-m"}, "dag_run": run})
 assert out["unit"] == "exp-m/epochs/00000/rollout/b0001", out
-print("TORCH_LOADED=%%s" %% ("torch" in sys.modules))
-""" % {"root": tmp_path, "yaml": ROOT / "dags" / "experiments" / "tiny_arith.yaml"}
+print("TORCH_LOADED=%s" % ("torch" in sys.modules))
+"""
+    yaml = ROOT / "dags" / "experiments" / "tiny_arith.yaml"
     env = {**os.environ, "VERL_TASKS_STORE_ROOT": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                         env=env)
+    run = subprocess.run([sys.executable, "-c", probe, str(tmp_path), str(yaml)], capture_output=True, text=True,
+                         timeout=180, cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TORCH_LOADED=False" in run.stdout
 

@@ -34,7 +34,8 @@ def copy(trained, tmp_path):
     shutil.copytree(trained["root"], tmp_path / "store")
     uri = f"file://{tmp_path}/store"
     ctx = make_context(util.config(uri))
-    return {"uri": uri, "ctx": ctx, "yaml": str(util.write_config(tmp_path)), "exp_uri": f"{uri}/{ctx.config.experiment}"}
+    return {"uri": uri, "ctx": ctx, "yaml": str(util.write_config(tmp_path)),
+            "exp_uri": f"{uri}/{ctx.config.experiment}"}
 
 
 def invoke(*args: str, input: str | None = None):
@@ -123,7 +124,8 @@ def test_rollback_then_run_reproduces_the_same_weights_and_gc(copy, trained):
     assert result["latest_snapshot"]["weights_sha256"] == trained["sha"]
     util.assert_exactly_once(store, layout, ctx.config)
     redone = util.started_count(store, layout) - started
-    assert redone == 1 + 2 * ctx.config.rollout.batches_per_epoch + 3 + 1  # plan, rollouts, scores, validate+update+snapshot, evaluate
+    # plan, rollouts, scores, validate+update+snapshot, evaluate
+    assert redone == 1 + 2 * ctx.config.rollout.batches_per_epoch + 3 + 1
     # gc: the rolled-back attempts are kept while the tombstone is young, removed after.
     dry = invoke("gc", copy["yaml"], "--store", copy["uri"], "--older-than", "1h", "--dry-run")
     assert dry.exit_code == 0 and "tombstone" not in dry.output
@@ -141,9 +143,9 @@ def test_rollback_then_run_reproduces_the_same_weights_and_gc(copy, trained):
 
 def test_a_rollback_that_died_before_repointing_latest_is_finished_by_a_rerun(tiny_config, tmp_path, monkeypatch):
     """Every marker moved, ``latest.json`` not yet: the rerun finds no unit but must still repoint it."""
-    from verl_tasks.ops import rollback as ops
     from tests.conftest import small_overrides, write_yaml
     from tests.test_metrics import fabricate
+    from verl_tasks.ops import rollback as ops
 
     cfg = tiny_config(epochs=3, **{"evaluate.every": 1})
     fabricate(cfg, 3)

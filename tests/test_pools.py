@@ -159,8 +159,8 @@ def test_a_cancelled_unit_stops_at_once_and_never_commits(gpu_head, tiny_config,
     assert retried["ok"], retried
     record = read_marker(ctx.store, unit)
     assert record.attempt != doomed
-    from verl_tasks.store.units import UnitWriter
     from verl_tasks.errors import AttemptFenced
+    from verl_tasks.store.units import UnitWriter
 
     late = UnitWriter(ctx.store, unit, doomed)  # the killed attempt, had it lived on, cannot commit
     with pytest.raises(AttemptFenced):
@@ -241,7 +241,9 @@ def test_a_ray_job_past_its_timeout_is_cancelled_and_the_retry_is_a_new_attempt(
         if held.exists():
             return held.read_text()
         status = backend.status(first.submission_id)
-        return None if status in ("PENDING", "RUNNING") else f"job {status}: {backend.logs(first.submission_id)[-3000:]}"
+        if status in ("PENDING", "RUNNING"):
+            return None
+        return f"job {status}: {backend.logs(first.submission_id)[-3000:]}"
 
     seen = wait_until("the rollout to be in its middle", in_its_middle)
     assert seen.isdigit(), seen

@@ -96,5 +96,6 @@ def test_child_from_the_parent_latest_works(pruned_run):
     record = read_marker(ctx.store, child.snapshot(0))
     parent = read_marker(ctx.store, ctx.layout.snapshot(version))
     assert seeded["parent"]["version"] == version and verify_unit(ctx.store, record) == []
-    assert record.files[WEIGHTS].sha256 == parent.files[WEIGHTS].sha256 == read_latest(ctx.store, ctx.layout)["weights_sha256"]
+    latest = read_latest(ctx.store, ctx.layout)
+    assert record.files[WEIGHTS].sha256 == parent.files[WEIGHTS].sha256 == latest["weights_sha256"]
     assert quarantine_keys(ctx) == []

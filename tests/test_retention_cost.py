@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.test_metrics import fabricate
 from verl_tasks.ops.rollback import apply_rollback, plan_rollback
 from verl_tasks.phases.snapshot import apply_retention, prune, retain_after_evaluate, snapshot
 from verl_tasks.runner import make_context
 from verl_tasks.store.conventions import read_best, read_retention
 from verl_tasks.store.units import MARKER, UnitWriter, is_pruned
-from tests.test_metrics import fabricate
 
 
 def counting(store, monkeypatch) -> list[str]:

@@ -349,7 +349,8 @@ def test_a_local_copy_is_a_hard_link_and_a_rewrite_of_the_source_leaves_it(tmp_p
     target = UnitWriter(store, "exp/snapshots/00001")
     target.copy_from(record, "model.safetensors")
     copied, _ = target.commit()
-    source, linked = tmp_path / "store" / record.key("model.safetensors"), tmp_path / "store" / copied.key("model.safetensors")
+    source = tmp_path / "store" / record.key("model.safetensors")
+    linked = tmp_path / "store" / copied.key("model.safetensors")
     assert source.stat().st_ino == linked.stat().st_ino and source.stat().st_nlink == 2
     store.put(record.key("model.safetensors"), b"weights v2")  # a new file renamed over the old name
     assert linked.read_bytes() == b"weights v1" and verify_unit(store, copied) == []

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_tasks.store import local
-from verl_tasks.store import open_store
+from verl_tasks.store import local, open_store
 from verl_tasks.store.units import UnitWriter, read_marker
 
 UNIT = "exp/epochs/00000/rollout/b0000"

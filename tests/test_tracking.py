@@ -42,7 +42,8 @@ def test_one_value_per_metric_per_epoch_after_a_cleared_update_reruns(tiny_confi
     assert len(runs) == 1, "one MLflow run per experiment"
     run = runs[0]
     keys = set(run.data.metrics)
-    assert {"update/reward_mean", "update/actor/grad_norm", "evaluate/eval_accuracy", "base_evaluate/eval_accuracy"} <= keys
+    expected = {"update/reward_mean", "update/actor/grad_norm", "evaluate/eval_accuracy", "base_evaluate/eval_accuracy"}
+    assert expected <= keys
     for key in keys:
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == ([0] if key.startswith("base_evaluate/") else [0, 1, 2]), key

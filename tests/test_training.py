@@ -58,7 +58,8 @@ def _write_config(tmp_path: Path, **extra) -> Path:
 
 
 def _status_json(config: Path, store: str) -> dict:
-    out = subprocess.run(_cli("status", str(config), "--store", store, "--json"), capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(_cli("status", str(config), "--store", store, "--json"), capture_output=True, text=True,
+                         check=True, cwd=ROOT)
     return json.loads(out.stdout)
 
 
@@ -74,7 +75,8 @@ def test_sigkill_at_random_moments_then_resume_gives_identical_weights(tmp_path)
     rng = random.Random(int(os.environ.get("VT_CHAOS_SEED", "20261130")))
     for trial in range(2):
         store = f"file://{tmp_path}/killed{trial}"
-        proc = subprocess.Popen(_cli("run", str(config), "--store", store), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(_cli("run", str(config), "--store", store), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, 0.9) * duration)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -88,9 +90,12 @@ def test_rerun_with_all_epochs_committed_returns_without_compute(tmp_path):
     store = f"file://{tmp_path}/store"
     subprocess.run(_cli("run", str(config), "--store", store), check=True, cwd=ROOT, capture_output=True)
     started = time.time()
-    out = subprocess.run(_cli("run", str(config), "--store", store, "--epochs", "1"), check=True, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(_cli("run", str(config), "--store", store, "--epochs", "1"), check=True, cwd=ROOT,
+                         capture_output=True, text=True)
     assert "done in" in out.stderr
-    ctx = make_context(__import__("verl_tasks.config", fromlist=["load_config"]).load_config(config, {"storage.uri": store}))
+    from verl_tasks.config import load_config
+
+    ctx = make_context(load_config(config, {"storage.uri": store}))
     assert "started" not in {e["kind"] for e in read_events(ctx.store, ctx.layout) if e["time"] > started}
 
 
@@ -166,7 +171,8 @@ def test_reward_failures_above_threshold_fail_the_batch_and_keep_commits(tiny_co
 
 
 def test_few_reward_failures_get_the_default_and_are_recorded(tiny_config):
-    ctx = make_context(tiny_config(epochs=1, **{"rewards.function": "tests.reward_fixtures:flaky", "rewards.max_failure_fraction": 0.5}))
+    ctx = make_context(tiny_config(epochs=1, **{"rewards.function": "tests.reward_fixtures:flaky",
+                                                "rewards.max_failure_fraction": 0.5}))
     train(ctx, 1)
     metas = [read_marker(ctx.store, ctx.layout.score(0, b)).meta for b in range(2)]
     failed = {sid for m in metas for sid in m["failed_samples"]}

@@ -16,9 +16,10 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 

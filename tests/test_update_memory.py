@@ -20,8 +20,15 @@ from verl_tasks.algos.core import LOSS_AGG_MODES
 from verl_tasks.config import AlgorithmConfig, ModelConfig
 from verl_tasks.errors import ConfigError
 from verl_tasks.models.checkpoint import OPTIMIZER, WEIGHTS
-from verl_tasks.phases.update_steps import (UpdateInputs, accumulate, accumulate_gradients, collate, epoch_inputs,
-                                           policy_module, train_steps)
+from verl_tasks.phases.update_steps import (
+    UpdateInputs,
+    accumulate,
+    accumulate_gradients,
+    collate,
+    epoch_inputs,
+    policy_module,
+    train_steps,
+)
 from verl_tasks.runner import epoch_units, make_context, run_phase
 from verl_tasks.store.units import read_marker
 from verl_tasks.train import logprobs

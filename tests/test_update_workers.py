@@ -177,7 +177,8 @@ def test_switching_strategy_and_workers_carries_the_optimizer_state(updated, tmp
     ctx = _ctx(tmp_path / "store", int(workers), strategy)
     run_phase(ctx, "snapshot", 0)
     for unit in ("plan", "rollout", "score", "validate"):  # the same epoch 1 inputs as the unswitched run
-        shutil.copytree(never.store.root / never.layout.epoch(1) / unit, tmp_path / "store" / ctx.layout.epoch(1) / unit)
+        source = never.store.root / never.layout.epoch(1) / unit
+        shutil.copytree(source, tmp_path / "store" / ctx.layout.epoch(1) / unit)
     run_phase(ctx, "update", 1)
 
     unit = ctx.layout.update(1)

@@ -3,12 +3,12 @@ snapshot that publishes them is a hard link on a local store. Damage to those by
 shows under both names; the fallback recomputes both units, and training ends on the same weights."""
 from __future__ import annotations
 
+from tests.chaos import util
 from verl_tasks.models.checkpoint import WEIGHTS
 from verl_tasks.phases.fallback import check_resume_point
 from verl_tasks.runner import make_context, train
 from verl_tasks.store.conventions import OPTIMIZER
 from verl_tasks.store.units import read_marker
-from tests.chaos import util
 
 
 def test_an_epoch_writes_the_weights_once_and_damage_on_disk_recomputes_update_and_snapshot(tiny_config):

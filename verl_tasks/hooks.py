@@ -9,7 +9,8 @@ Torch-free and import-free, so loading it at interpreter start costs nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _REGISTERED: dict[str, list[Callable[..., None]]] = {}
 

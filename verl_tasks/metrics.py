@@ -18,11 +18,12 @@ import json
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -156,7 +157,8 @@ def _skipped_units(store: ObjectStore, layout: Layout, epoch: int, keys: set[str
     """The batched units of the batches ``epoch`` went on without (``fault_tolerance.min_committed_batch_fraction``)."""
     if f"{layout.skipped(epoch)}/{MARKER}" not in keys:
         return set()
-    return {PHASES[phase].unit(layout, epoch, batch) for phase in BATCHED for batch in read_skipped(store, layout, epoch)}
+    return {PHASES[phase].unit(layout, epoch, batch)
+            for phase in BATCHED for batch in read_skipped(store, layout, epoch)}
 
 
 def _units(config: ExperimentConfig, store: ObjectStore, layout: Layout, epoch: int, snapshot_keys: set[str],
@@ -227,7 +229,7 @@ def _last_epoch(config: ExperimentConfig, store: ObjectStore, layout: Layout, ne
                 out: ExperimentMetrics) -> None:
     """Snapshot age, and the throughput, reward and accuracy of the newest finished epoch."""
     snapshot = _marker(store, layout.snapshot(newest)) if newest is not None else None
-    if snapshot is not None:
+    if snapshot is not None and newest is not None:
         out.gauges["snapshot_version"] = newest
         out.gauges["seconds_since_snapshot"] = max(0.0, now - snapshot.committed_at)
     evaluated = [layout.base_evaluate]
@@ -306,7 +308,8 @@ def families(items: list[ExperimentMetrics]) -> Iterator[Any]:
     quarantined = CounterMetricFamily("verl_tasks_quarantined_units", "Units quarantined to be rebuilt (a corrupt "
                                       "snapshot, its update, a corrupt marker), per phase.",
                                       labels=["experiment", "phase"])
-    events = CounterMetricFamily("verl_tasks_events", "Events in the state log, per kind.", labels=["experiment", "kind"])
+    events = CounterMetricFamily("verl_tasks_events", "Events in the state log, per kind.",
+                                 labels=["experiment", "kind"])
     for item in items:
         for (phase, state), count in sorted(item.units.items()):
             units.add_metric([item.experiment, phase, state], count)

@@ -8,8 +8,9 @@ loaded only when a unit actually runs.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from verl_tasks.layout import Layout
@@ -33,7 +34,7 @@ class PhaseSpec:
     inputs: tuple[str, ...]
     doc: str
 
-    def unit(self, layout: "Layout", epoch: int, batch: int | None = None) -> str:
+    def unit(self, layout: Layout, epoch: int, batch: int | None = None) -> str:
         """The storage key of this phase's unit for ``epoch`` (and ``batch`` when batched)."""
         if self.batched:
             if batch is None:

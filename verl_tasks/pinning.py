@@ -100,6 +100,9 @@ def pin_experiment(ctx: Any, parent: dict[str, Any] | None = None) -> dict[str, 
             _CHECKED.add((store.uri, config.experiment, body["config_hash"]))
             return body
         existing = read_pin(store, layout)
+        if existing is None:  # another process pinned it first, and it is gone again
+            raise StoreError(f"{store.url(layout.experiment_json)} was written by another process and deleted "
+                             f"again before it could be read; is the experiment being deleted? Run again")
     if existing["config_hash"] == body["config_hash"]:
         _CHECKED.add((store.uri, config.experiment, body["config_hash"]))
         return existing

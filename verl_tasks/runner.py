@@ -9,13 +9,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution.deadline import unit_deadline
 from verl_tasks.execution.heap import freeze_after_imports
 from verl_tasks.execution.outcome import LEAVE_OUT, RAISE, after_failure
-from verl_tasks.phase_registry import PHASES, phase as phase_spec
+from verl_tasks.phase_registry import PHASES
+from verl_tasks.phase_registry import phase as phase_spec
 from verl_tasks.phases import PhaseContext
 from verl_tasks.status import epoch_done, status
 from verl_tasks.store import store_for
@@ -98,7 +100,8 @@ def train(ctx: PhaseContext, epochs: int, progress: Progress | None = None,
             if progress:
                 progress("epoch-skipped", epoch, None)
             continue
-        left_out = set(read_skipped(ctx.store, ctx.layout, epoch))  # and batches whose units failed for good
+        # The batches the epoch went on without, and (below) those whose units failed for good.
+        left_out: set[int | None] = set(read_skipped(ctx.store, ctx.layout, epoch))
         for phase, batches in epoch_phases(ctx, epoch, epochs):
             if phase_spec(phase).batched:
                 batches = [b for b in batches if b not in left_out]

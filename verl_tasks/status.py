@@ -8,8 +8,9 @@ not pay one round trip after another.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any
 
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError
@@ -64,7 +65,7 @@ def marker_metrics(store: ObjectStore, units: Iterable[str]) -> dict[str, dict[s
     if len(units) <= 1:
         return {unit: read(unit) for unit in units}
     with ThreadPoolExecutor(max_workers=min(READERS, len(units))) as pool:
-        return dict(zip(units, pool.map(read, units)))
+        return dict(zip(units, pool.map(read, units), strict=True))
 
 
 def latest_snapshot(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
@@ -82,12 +83,12 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
     Returns:
         ``experiment``, ``store`` (URI), ``epochs`` (rows with ``epoch``, ``phases``: phase -> state,
         ``metrics``, ``skipped_batches`` when the epoch went on without some), ``latest_snapshot``,
-        ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``), ``quarantined``, ``warnings`` and
-        ``safe_mode`` (the record while the experiment is halted, else None).
+        ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``),
+        ``quarantined``, ``warnings`` and ``safe_mode`` (the record while the experiment is halted, else None).
     """
     layout = Layout(config.experiment)
     keys = set(store.list(layout.root + "/epochs/")) | set(store.list(layout.snapshots + "/"))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for epoch in range(config.epochs):
         phases = {phase: phase_state(phase, units, keys) for phase, units in epoch_units(config, layout, epoch).items()}
         if any(state != "absent" for state in phases.values()):
@@ -113,7 +114,8 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "experiment": config.experiment,
         "quarantined": quarantined,
         "warnings": [
-            f"{q['unit']} was quarantined ({q['reason']})" + ("; recomputed since" if q["recovered"] else "; not recomputed yet")
+            f"{q['unit']} was quarantined ({q['reason']})"
+            + ("; recomputed since" if q["recovered"] else "; not recomputed yet")
             for q in quarantined
         ],
         "store": store.uri,

@@ -53,7 +53,8 @@ def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: C
                if isinstance(value, (int, float)) and not isinstance(value, bool)}
     version = 0 if base else epoch + 1
     tags = {"snapshot/base" if base else f"snapshot/epoch_{epoch:05d}": ctx.store.url(ctx.layout.snapshot(version))}
-    for name, target, write in (("mlflow", trackers.mlflow, _log_mlflow), ("tensorboard", trackers.tensorboard, _log_tensorboard)):
+    writers = (("mlflow", trackers.mlflow, _log_mlflow), ("tensorboard", trackers.tensorboard, _log_tensorboard))
+    for name, target, write in writers:
         if not target:
             continue
         try:

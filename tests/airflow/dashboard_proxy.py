@@ -83,7 +83,7 @@ class DashboardProxy:
             self.injected[fault] += 1
             return fault
 
-    def __enter__(self) -> "DashboardProxy":
+    def __enter__(self) -> DashboardProxy:
         self.thread.start()
         return self
 

@@ -14,9 +14,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 VENV_BIN = Path(sys.executable).parent
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -78,7 +79,7 @@ class PgDatabase:
         return f"postgresql+asyncpg://{self.user}@{PG_HOST}:{PG_PORT}/{self.name}"
 
     @classmethod
-    def create(cls, user: str) -> "PgDatabase":
+    def create(cls, user: str) -> PgDatabase:
         name = f"vt_e2e_{uuid.uuid4().hex[:10]}"
         done = _psql(f"CREATE DATABASE {name}", user)
         if done.returncode:

@@ -41,7 +41,6 @@ from tests.airflow.test_e2e import (  # noqa: F401 - `stack` is the fixture this
     stack,
 )
 
-
 STOP_S = 5.0  # issue 8: the actor's work stops within 5 s of the clear
 BATCH = 1
 
@@ -52,7 +51,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.airflow
 @pytest.mark.slow
-def test_clearing_a_running_rollout_stops_its_actor_and_the_retry_commits_once(stack):
+def test_clearing_a_running_rollout_stops_its_actor_and_the_retry_commits_once(stack):  # noqa: F811 - the fixture
     from verl_tasks.config import load_config
     from verl_tasks.events import read_events
     from verl_tasks.runner import status

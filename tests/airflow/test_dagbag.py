@@ -20,7 +20,8 @@ def test_dagbag_imports_every_file():
     assert bag.import_errors == {}, bag.import_errors
     assert {p.stem for p in DAG_FILES} <= set(bag.dag_ids)
     for stats in bag.dagbag_stats:
-        print(f"parse {stats.file}: {stats.duration.total_seconds() if hasattr(stats.duration, 'total_seconds') else stats.duration}s, {stats.dag_num} dag(s), {stats.task_num} tasks")
+        took = stats.duration.total_seconds() if hasattr(stats.duration, "total_seconds") else stats.duration
+        print(f"parse {stats.file}: {took}s, {stats.dag_num} dag(s), {stats.task_num} tasks")
 
 
 @pytest.mark.parametrize("path", DAG_FILES, ids=lambda p: p.name)

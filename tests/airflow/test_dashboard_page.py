@@ -85,7 +85,8 @@ def test_a_shared_store_shows_a_new_name_only_to_the_dag_whose_run_named_it(tmp_
     store = f"file://{tmp_path / 'shared'}"
     for name in ("exp-a", "exp-b", "from-a-run", "nobodys"):
         fabricate(tmp_path / "shared", name, 1, 2)
-    a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)), ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
+    a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)),
+                    ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
     named = {"from-a-run": "dag_a"}
     assert sorted(_shown(render_page([a], [a, b], named))) == ["exp-a", "from-a-run"]
     assert _shown(render_page([b], [a, b], named)) == ["exp-b"]
@@ -283,6 +284,7 @@ def test_a_scheduled_child_belongs_to_its_dag_in_a_shared_store(tmp_path):
     store = f"file://{tmp_path / 'shared'}"
     for name in ("exp-a", "exp-b", "exp-a-20260101T000000"):
         fabricate(tmp_path / "shared", name, 1, 2)
-    a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)), ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
+    a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)),
+                    ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
     assert sorted(_shown(render_page([a], [a, b], {}))) == ["exp-a", "exp-a-20260101T000000"]
     assert _shown(render_page([b], [a, b], {})) == ["exp-b"]

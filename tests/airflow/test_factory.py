@@ -69,7 +69,8 @@ def test_scheduled_dag_uses_cron_and_parent():
 def test_resolve_overrides_and_scheduled_names(tmp_path, monkeypatch):
     monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
     manual = SimpleNamespace(run_type="manual", logical_date=None, run_after=datetime(2026, 1, 2, 3, 4, 5))
-    cfg = runconfig.resolve(TINY, {"experiment": "x1", "lr": 0.002, "epochs": 2, "overrides": {"algorithm.clip_ratio_low": 0.1}}, manual)
+    params = {"experiment": "x1", "lr": 0.002, "epochs": 2, "overrides": {"algorithm.clip_ratio_low": 0.1}}
+    cfg = runconfig.resolve(TINY, params, manual)
     assert cfg.experiment == "x1" and cfg.algorithm.lr == 0.002 and cfg.epochs == 2
     assert cfg.algorithm.clip_ratio_low == 0.1
     assert cfg.storage.uri == f"file://{tmp_path}/.store"

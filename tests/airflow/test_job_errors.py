@@ -9,8 +9,17 @@ import requests
 from airflow.sdk.exceptions import AirflowFailException
 
 from tests.airflow.conftest import DAGS
-from verl_tasks.errors import (ConfigError, ConfigMismatch, DataError, IntegrityError, JobFailed, PhaseFailed,
-                               RewardFailureRate, SafeMode, ValidationFailed)
+from verl_tasks.errors import (
+    ConfigError,
+    ConfigMismatch,
+    DataError,
+    IntegrityError,
+    JobFailed,
+    PhaseFailed,
+    RewardFailureRate,
+    SafeMode,
+    ValidationFailed,
+)
 from verl_tasks.execution.outcome import error_from_result, failure_result, is_deterministic, parse_result
 from verl_tasks.execution.ray_jobs import Backoff, is_transient, public_env
 
@@ -55,8 +64,8 @@ def test_unknown_classes_are_not_rebuilt(error):
 
 
 def test_only_configuration_gate_and_safe_mode_errors_are_deterministic():
-    assert all(is_deterministic(e) for e in (ConfigMismatch("e", ["k"], "u"), DataError("d"), ValidationFailed("u", "r"),
-                                             SafeMode("s")))
+    assert all(is_deterministic(e) for e in (ConfigMismatch("e", ["k"], "u"), DataError("d"),
+                                             ValidationFailed("u", "r"), SafeMode("s")))
     assert not any(is_deterministic(e) for e in (RewardFailureRate("u", "r"), PhaseFailed("u", "r"),
                                                  IntegrityError("u", ["p"]), JobFailed("j", "FAILED"), MemoryError()))
 
@@ -102,7 +111,8 @@ def test_inline_backend_fails_deterministic_errors_without_retries(tmp_path, mon
     monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
 
     def ctx(**params):
-        return {"params": params, "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
+        run = SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)
+        return {"params": params, "dag_run": run}
 
     ConfigureExperimentOperator(task_id="configure", config_path=TINY).execute(ctx(experiment="inl", lr=0.001))
     op = VerlPhaseOperator(task_id="validate", config_path=TINY, phase="validate", epoch=0, backend="inline")
@@ -112,7 +122,8 @@ def test_inline_backend_fails_deterministic_errors_without_retries(tmp_path, mon
 
 
 @pytest.mark.parametrize("err", [ConnectionResetError(104, "reset"), requests.ConnectionError("refused"),
-                                 requests.ReadTimeout("slow"), RuntimeError("Request failed with status code 503: busy"),
+                                 requests.ReadTimeout("slow"),
+                                 RuntimeError("Request failed with status code 503: busy"),
                                  RuntimeError("Request failed with status code 500: No available agent to submit job")])
 def test_dashboard_blips_are_transient(err):
     assert is_transient(err)
@@ -122,9 +133,11 @@ def test_dashboard_blips_are_transient(err):
         assert is_transient(wrapped)
 
 
-@pytest.mark.parametrize("err", [RuntimeError("Request failed with status code 404: job not found"),
-                                 RuntimeError("Request failed with status code 400: Please use a different submission_id"),
-                                 ValueError("bad"), ConfigError("x")])
+@pytest.mark.parametrize("err", [
+    RuntimeError("Request failed with status code 404: job not found"),
+    RuntimeError("Request failed with status code 400: Please use a different submission_id"),
+    ValueError("bad"), ConfigError("x"),
+])
 def test_refusals_are_not_transient(err):
     assert not is_transient(err)
 
@@ -160,7 +173,8 @@ def test_job_logs_shown_in_airflow_carry_no_config_blob():
     """The job's entrypoint line names the config by its length, not as hundreds of base64 characters."""
     from verl_tasks.execution.ray_jobs import log_tail, redact_config
 
-    line = "Running entrypoint for job vt-x-e0-plan-a1: python -m verl_tasks.execution.entry --config-b64 " + "eyJ" * 200 + " --phase plan"
+    line = ("Running entrypoint for job vt-x-e0-plan-a1: python -m verl_tasks.execution.entry --config-b64 "
+            + "eyJ" * 200 + " --phase plan")
     assert redact_config(line).endswith("--config-b64 <config, 600 chars> --phase plan")
     assert "eyJeyJ" not in log_tail("first\n" + line)
 
@@ -168,8 +182,9 @@ def test_job_logs_shown_in_airflow_carry_no_config_blob():
 def test_a_deferral_past_its_timeout_stops_the_units_live_ray_job(tmp_path, monkeypatch):
     """Airflow resumes a timed-out deferral with ``__fail__`` and calls no on_kill: the operator stops the
     unit's live job itself (its driver then fences the attempt), and the task still fails as a timeout."""
-    from airflow.sdk.exceptions import TaskDeferralError, TaskDeferralTimeout
     from airflow.sdk.bases.operator import TriggerFailureReason
+    from airflow.sdk.exceptions import TaskDeferralError, TaskDeferralTimeout
+
     from verl_tasks.execution.ray_jobs import JobHandle
 
     monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))

@@ -33,7 +33,8 @@ NOTIFIER = textwrap.dedent('''
 
         def notify(self, context):
             with open(self.path, "a") as out:
-                out.write(json.dumps({"task_id": context["ti"].task_id, "alert": context["alert"]}, default=str) + "\\n")
+                alert = {"task_id": context["ti"].task_id, "alert": context["alert"]}
+                out.write(json.dumps(alert, default=str) + "\\n")
 ''')
 RUNNER = textwrap.dedent('''
     import json, runpy, sys
@@ -77,8 +78,8 @@ def _corrupt_weights(store, layout) -> None:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     """(healthy, corrupted) store roots: the same experiment; one byte of the second's weights flipped."""
-    from verl_tasks.store import open_store
     from verl_tasks.layout import Layout
+    from verl_tasks.store import open_store
 
     root = tmp_path_factory.mktemp("maintenance")
     _healthy_store(root / "healthy")

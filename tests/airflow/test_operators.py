@@ -83,12 +83,14 @@ def test_scheduled_run_starts_new_experiment_from_parent_snapshot(store_root):
     writer.write_bytes("optimizer.safetensors", b"moments")
     writer.commit({"version": 3})
     store.put(parent.latest, json.dumps({"version": 3}).encode())
-    op = ConfigureExperimentOperator(task_id="configure", config_path=str(DAGS / "experiments" / "scheduled_retrain.yaml"))
+    op = ConfigureExperimentOperator(task_id="configure",
+                                     config_path=str(DAGS / "experiments" / "scheduled_retrain.yaml"))
     run = SimpleNamespace(run_type="scheduled", conf={}, logical_date=datetime(2026, 5, 1, 3, 0), run_after=None)
     out = op.execute({"params": {}, "dag_run": run})
     assert out["experiment"] == "scheduled-retrain-20260501T030000"
     assert out["parent"]["experiment"] == "tiny-arith" and out["parent"]["version"] == 3
     base = read_marker(store, Layout(out["experiment"]).snapshot(0))
     assert set(base.files) == {"model.safetensors", "config.json", "trainer_state.json"}  # fresh optimizer
-    assert base.files["model.safetensors"].sha256 == read_marker(store, parent.snapshot(3)).files["model.safetensors"].sha256
+    parent_weights = read_marker(store, parent.snapshot(3)).files["model.safetensors"]
+    assert base.files["model.safetensors"].sha256 == parent_weights.sha256
     assert op.execute({"params": {}, "dag_run": run})["experiment"] == out["experiment"]  # idempotent

@@ -42,9 +42,10 @@ RUNNER = textwrap.dedent('''
         with create_session() as session:
             run = session.query(DagRun).filter(DagRun.dag_id == dag.dag_id, DagRun.logical_date == when).one()
             states = {t.task_id: str(t.state) for t in run.get_task_instances(session=session) if t.map_index < 1}
-            events = [{"asset": name, "extra": extra} for name, extra in session.query(AssetModel.name, AssetEvent.extra)
-                      .join(AssetModel, AssetModel.id == AssetEvent.asset_id)
-                      .filter(AssetEvent.source_run_id == run.run_id)]
+            rows = (session.query(AssetModel.name, AssetEvent.extra)
+                    .join(AssetModel, AssetModel.id == AssetEvent.asset_id)
+                    .filter(AssetEvent.source_run_id == run.run_id))
+            events = [{"asset": name, "extra": extra} for name, extra in rows]
             print("RUN " + json.dumps({"stamp": stamp, "run_type": str(run.run_type), "state": str(run.state),
                                        "tasks": states, "events": events}))
 ''')
@@ -101,7 +102,8 @@ def test_a_child_that_beats_its_parent_is_promoted_and_one_that_does_not_is_not(
     extra = events[f"verl-tasks/{DAG_ID}/promoted"]
     snapshot = read_marker(store, Layout(f"retrain-{beaten}").snapshot(1))
     assert extra["experiment"] == f"retrain-{beaten}" and extra["version"] == 1
-    assert extra["uri"] == store.url(snapshot.unit) and extra["weights_sha256"] == snapshot.files["model.safetensors"].sha256
+    assert extra["uri"] == store.url(snapshot.unit)
+    assert extra["weights_sha256"] == snapshot.files["model.safetensors"].sha256
     assert extra["accuracy"] > extra["baseline"] == 0.0
     decision = [e for e in read_events(store, Layout(f"retrain-{beaten}")) if e["kind"] == "promotion"]
     assert len(decision) == 1 and decision[0]["promoted"] is True and decision[0]["accuracy"] == extra["accuracy"]

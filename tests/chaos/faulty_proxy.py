@@ -71,7 +71,8 @@ class FaultyProxy:
                     self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP and k.lower() != "content-length"}
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in HOP and k.lower() != "content-length"}
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -113,7 +114,7 @@ class FaultyProxy:
             self.injected[extra] = self.injected.get(extra, 0) + 1
         return fault
 
-    def __enter__(self) -> "FaultyProxy":
+    def __enter__(self) -> FaultyProxy:
         self.thread.start()
         return self
 

@@ -504,7 +504,8 @@ def test_ray_head_restarted_during_epoch(cluster):
           lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success")
     recovery_s = time.monotonic() - stopped_at
     _wait_success(cluster, run_id)
-    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; unit recovered {recovery_s:.1f}s after the stop")
+    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; "
+          f"unit recovered {recovery_s:.1f}s after the stop")
 
     started = _check_storage(cluster, experiment)
     redone = _redone(started)

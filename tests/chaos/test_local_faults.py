@@ -108,7 +108,8 @@ def test_03_zombie_and_retry_race(reference, tmp_path):
     assert [e["unit"] for e in races] == [unit]
     record = read_marker(ctx.store, unit)
     assert record.attempt == races[0]["winner"] != races[0]["attempt"]
-    assert [k for k in ctx.store.list(unit + "/.attempts/")] == [k for k in ctx.store.list(unit + "/.attempts/") if record.attempt in k]
+    attempts = list(ctx.store.list(unit + "/.attempts/"))
+    assert attempts == [k for k in attempts if record.attempt in k]
     redone = finish(ctx, reference, "03_zombie_retry_race", time.monotonic() - zombie_attempt["at"], raced_unit=unit)
     assert redone == 1
 
@@ -230,7 +231,8 @@ def test_08_enospc_on_local_store(reference, tmp_path, monkeypatch):
         if key.endswith("/_SUCCESS"):
             assert not verify_unit(ctx.store, read_marker(ctx.store, key[: -len("/_SUCCESS")])), key
     train(ctx, util.EPOCHS)
-    redone = finish(ctx, reference, "08_enospc", time.monotonic() - failed_at, failed_write=writes[target - 1].split("/store/")[-1])
+    failed_write = writes[target - 1].split("/store/")[-1]
+    redone = finish(ctx, reference, "08_enospc", time.monotonic() - failed_at, failed_write=failed_write)
     assert redone <= 1
 
 

@@ -69,7 +69,8 @@ def assert_exactly_once(store: ObjectStore, layout: Layout, cfg) -> None:
             assert not verify_unit(store, rec)
             rows = read_jsonl(store, rec, "samples.jsonl")
             ids += [r["sample_id"] for r in rows]
-            scored = {r["sample_id"] for r in read_jsonl(store, read_marker(store, layout.score(epoch, b)), "scores.jsonl")}
+            scores = read_jsonl(store, read_marker(store, layout.score(epoch, b)), "scores.jsonl")
+            scored = {r["sample_id"] for r in scores}
             assert scored == {r["sample_id"] for r in rows}, f"scores of e{epoch} b{b} do not match its samples"
     assert len(ids) == len(set(ids)), "duplicate sample ids across rollout units"
     per_batch = cfg.rollout.prompts_per_batch * cfg.algorithm.group_size

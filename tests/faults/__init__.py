@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .vt_faults import FAULTS_ENV, unit_name
 

@@ -24,8 +24,8 @@ import logging
 import os
 import urllib.parse
 import urllib.request
-from datetime import datetime, timezone
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from verl_tasks.events import read_events, record_event
@@ -101,7 +101,7 @@ def cleared_by(dag_id: str, since: float | None, conn_id: str = API_CONN_ID) -> 
     """The user of the newest clear of ``dag_id`` after ``since`` in Airflow's audit log, or None. Never raises."""
     query = [("dag_id", dag_id), ("order_by", "-when"), ("limit", "1")] + [("included_events", e) for e in CLEAR_EVENTS]
     if since:
-        query.append(("after", datetime.fromtimestamp(since, timezone.utc).isoformat()))
+        query.append(("after", datetime.fromtimestamp(since, UTC).isoformat()))
     try:
         logs = _api("/api/v2/eventLogs?" + urllib.parse.urlencode(query), conn_id=conn_id).get("event_logs") or []
     except Exception as err:  # noqa: BLE001 - the user is a detail of the record, never a reason to fail

@@ -35,7 +35,8 @@ def _get_connection(conn_id: str):
     try:
         return BaseHook.get_connection(conn_id)
     except Exception as err:  # noqa: BLE001 - AirflowNotFoundException and friends: "not configured"
-        if "isn't defined" in str(err) or "not found" in str(err).lower() or type(err).__name__.endswith("NotFoundException"):
+        if ("isn't defined" in str(err) or "not found" in str(err).lower()
+                or type(err).__name__.endswith("NotFoundException")):
             return None
         raise
 

@@ -151,7 +151,8 @@ def _grid(cfg: ExperimentConfig, store: ObjectStore, rows: list[dict[str, Any]],
                 units = [PHASES[phase].unit(layout, row["epoch"], b) for b in range(batches)]
             else:
                 states, units = [state], [PHASES[phase].unit(layout, row["epoch"])]
-            epoch_row.cells[phase] = [_cell(unit, s, stats.get(unit)).shown for unit, s in zip(units, states)]
+            epoch_row.cells[phase] = [_cell(unit, s, stats.get(unit)).shown
+                                      for unit, s in zip(units, states, strict=True)]
         out.append(epoch_row)
     return out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import DAG, Asset, Param, TaskGroup
 
@@ -29,6 +29,10 @@ from verl_tasks.airflow.promotion import PromoteSnapshotOperator, promoted_asset
 from verl_tasks.config import NAME_PATTERN, TRIGGER_OVERRIDABLE, parse_config
 from verl_tasks.execution.lineage import RESUME_MODES
 from verl_tasks.phase_registry import PHASES
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from airflow.sdk import BaseOperator
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
 
 GPU_POOL = "verl_gpu"
 GPU_PHASES = ("rollout", "update")
@@ -141,11 +145,11 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
             doc_md="Validates the trigger form and pins the experiment (config hash) before any compute. "
                    "A changed hyperparameter under an existing experiment name fails here with the differing keys.",
         )
-        previous = configure
+        previous: BaseOperator | MappedOperator = configure
         evaluations: list[Any] = []
         for epoch in range(cfg.epochs):
             with TaskGroup(group_id=f"epoch_{epoch:03d}", tooltip=f"epoch {epoch} -> policy version {epoch + 1}"):
-                tasks = {}
+                tasks: dict[str, BaseOperator | MappedOperator] = {}
                 for phase, spec in PHASES.items():
                     kwargs: dict[str, Any] = dict(common, task_id=phase, phase=phase, epoch=epoch,
                                                   doc_md=spec.doc + RETRY_DOC)

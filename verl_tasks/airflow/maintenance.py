@@ -35,6 +35,7 @@ from verl_tasks.airflow.callbacks import notify
 from verl_tasks.errors import ConfigError
 from verl_tasks.ops.gc import parse_age
 
+
 class StoreSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -94,8 +95,10 @@ class MaintainStoreOperator(BaseOperator):
 
     def open(self):
         from verl_tasks.airflow.connections import s3_access
-        from verl_tasks.store import absolute_uri  # file:// paths resolved as the experiments' are
-        from verl_tasks.store import open_store
+        from verl_tasks.store import (
+            absolute_uri,  # file:// paths resolved as the experiments' are
+            open_store,
+        )
 
         spec = self.store_spec
         access = s3_access(spec["aws_conn_id"])
@@ -119,8 +122,8 @@ def alert_on_failure(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -
     """``on_failure_callback`` of a maintenance task: the notifiers hear what was found."""
     task, error = context.get("task"), context.get("exception")
     uri = getattr(task, "store_spec", {}).get("uri")
-    notify(notifiers, context, {"kind": "maintenance", "store": uri,
-                                "summary": f"{type(error).__name__}: {error}" if error else f"maintenance of {uri} failed"})
+    summary = f"{type(error).__name__}: {error}" if error else f"maintenance of {uri} failed"
+    notify(notifiers, context, {"kind": "maintenance", "store": uri, "summary": summary})
 
 
 def task_id_for(uri: str) -> str:

@@ -34,20 +34,23 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from verl_tasks.airflow import runconfig
 from verl_tasks.airflow.callbacks import lift_safe_mode_if_cleared
-from verl_tasks.airflow.links import RayJobLink, StoreUnitLink
 from verl_tasks.airflow.connections import s3_access
+from verl_tasks.airflow.links import RayJobLink, StoreUnitLink
 from verl_tasks.errors import ConfigError, JobFailed, PhaseFailed, SafeMode
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.inline import record_summary
 from verl_tasks.execution.outcome import describe, error_from_result, is_deterministic
 from verl_tasks.layout import Layout
+
+if TYPE_CHECKING:  # pragma: no cover - typing only (the driver imports Ray)
+    from verl_tasks.execution.driver import Running
 
 log = logging.getLogger(__name__)
 BACKENDS = ("ray", "ray-driver", "inline")
@@ -208,7 +211,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         self.poll_interval = poll_interval
         self.snapshot_asset = snapshot_asset
         self._job_id: str | None = None
-        self._running = None  # execution.driver.Running of the unit in flight (ray-driver backend)
+        self._running: Running | None = None  # the unit in flight (ray-driver backend)
 
     # -- helpers -------------------------------------------------------------------
     def _spec(self, cfg) -> UnitSpec:
@@ -277,12 +280,13 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             handle = self.ray.submit(cfg, spec, resubmit_succeeded=True)
         self._defer_on(handle, unit)
 
-    def _defer_on(self, handle, unit: str) -> None:
+    def _defer_on(self, handle, unit: str) -> NoReturn:
         """Wait for the job in the triggerer; ``attached``: this try found the job live, it did not submit it."""
         from verl_tasks.airflow.triggers import RayJobTrigger
 
         self._job_id = handle.submission_id
-        self.log.info("%s Ray job %s for %s", "submitted" if handle.submitted else "attached to", handle.submission_id, unit)
+        self.log.info("%s Ray job %s for %s", "submitted" if handle.submitted else "attached to",
+                      handle.submission_id, unit)
         self.defer(
             trigger=RayJobTrigger(handle.submission_id, self.ray_conn_id, self.poll_interval, self.ray.retry_s),
             method_name="execute_complete",
@@ -323,18 +327,18 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         from verl_tasks.store.units import read_marker
 
         address = ray_gcs_address(self.ray_conn_id)
-        self._running = driver.start(cfg, spec, store)
-        self.log.info("running %s on its worker pool (attempt %s)", unit, self._running.attempt)
-        outcome = driver.run(self._running, address)
+        running = self._running = driver.start(cfg, spec, store)
+        self.log.info("running %s on its worker pool (attempt %s)", unit, running.attempt)
+        outcome = driver.run(running, address)
         for line in outcome.result.get("log", []):
             self.log.info("[worker] %s", line)
         if not outcome.result.get("ok"):
-            raise_job_error(f"pool unit {unit} attempt {self._running.attempt}",
+            raise_job_error(f"pool unit {unit} attempt {running.attempt}",
                             {"status": "FAILED", "result": {**outcome.result, "unit": unit}})
         began = time.monotonic()
         record = read_marker(store, unit)
         if record is None:
-            raise PhaseFailed(unit, f"attempt {self._running.attempt} returned ok but the unit has no _SUCCESS marker")
+            raise PhaseFailed(unit, f"attempt {running.attempt} returned ok but the unit has no _SUCCESS marker")
         timing["store_s"] += time.monotonic() - began
         self._log_timing(context, unit, {**timing, **outcome.timing})
         return self._finish(context, cfg, store, record)
@@ -411,7 +415,7 @@ def raise_job_error(job_id: str, event: dict[str, Any]) -> None:
                        event.get("log_tail", ""))
     result = event.get("result")
     typed = error_from_result(result)
-    if typed is None:
+    if typed is None or result is None:  # a typed error comes only from a result
         if result:
             log.info("Ray job %s failed with %s", job_id, describe(result))
         raise failed

@@ -20,12 +20,16 @@ import functools
 import logging
 import os
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+if TYPE_CHECKING:  # pragma: no cover - typing only (the plugin imports the package lazily)
+    from verl_tasks.store import S3Options
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ PREFIX = "/verl-tasks"
 SECTIONS_SHOWN = 6  # full sections on the overview; the rest are links
 RUNS_SCANNED = 2000  # newest DAG runs whose trigger form names an experiment
 # A page waits seconds, not minutes, for an S3 endpoint that is down (training keeps its patient client).
-PAGE_S3_OPTIONS = {"max_attempts": 2, "connect_timeout": 3, "read_timeout": 20}
+PAGE_S3_OPTIONS: S3Options = {"max_attempts": 2, "connect_timeout": 3, "read_timeout": 20}
 
 
 def experiments_dir() -> Path:
@@ -78,9 +82,8 @@ class Source:
 def open_source(dag_id: str, path: Path) -> Source:
     """Read the YAML and open its store with the YAML's ``storage.aws_conn_id`` (as the tasks do)."""
     from verl_tasks.airflow.runconfig import read_yaml
-    from verl_tasks.store import absolute_uri
     from verl_tasks.config import parse_config
-    from verl_tasks.store import open_store
+    from verl_tasks.store import absolute_uri, open_store
 
     source = Source(dag_id, path)
     try:
@@ -158,7 +161,9 @@ def _list_store(source: Source) -> list[str]:
 def find_experiments(readable: list[Source], everyone: list[Source], named: dict[str, str]
                      ) -> tuple[list[tuple[Source, str]], list[str]]:
     """(source, experiment) pairs the readable DAGs own, and a notice per store that could not be listed."""
-    found, notices, listed = [], [], {}
+    found: list[tuple[Source, str]] = []
+    notices: list[str] = []
+    listed: dict[str, list[str] | None] = {}
     for source in readable:
         if source.error:
             notices.append(source.error)
@@ -222,10 +227,13 @@ def render_page(readable: list[Source], everyone: list[Source], named: dict[str,
         chosen = (defaults + [p for p in found if p not in defaults])[:SECTIONS_SHOWN]
         empty = "No experiment yet in the store of a DAG you may read." if readable else \
             "No experiment DAG you may read."
-    sections = []
+    sections: list[dict[str, Any]] = []
     for source, name in chosen:
         section = render_section(source, name, epoch, phase)
-        (sections if isinstance(section, dict) else notices).append(section)
+        if isinstance(section, dict):
+            sections.append(section)
+        else:
+            notices.append(section)
     return _templates().get_template("dashboard.html").render(
         listed=listed, sections=sections, notices=notices, empty=empty,
         query={"experiment": experiment, "dag": dag})
@@ -233,7 +241,7 @@ def render_page(readable: list[Source], everyone: list[Source], named: dict[str,
 
 def render_unit(source: Source, experiment: str, key: str) -> str:
     """The page of one unit in storage: its committed record, files and events (the task's extra link)."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from verl_tasks.airflow.dashboard import recent_events
     from verl_tasks.layout import Layout
@@ -241,7 +249,7 @@ def render_unit(source: Source, experiment: str, key: str) -> str:
 
     record = read_marker(source.store, key)
     events = [e for e in recent_events(source.store, Layout(experiment)) if e.get("unit") == key]
-    committed_at = (datetime.fromtimestamp(record.committed_at, timezone.utc).isoformat(timespec="seconds")
+    committed_at = (datetime.fromtimestamp(record.committed_at, UTC).isoformat(timespec="seconds")
                     if record and record.committed_at else None)
     return _templates().get_template("unit.html").render(
         unit=key, experiment=experiment, dag=source.dag_id, url=source.store.url(key), record=record,
@@ -289,7 +297,7 @@ def _unopened(dag_id: str, path: Path) -> Source:
 
 
 def metrics_response(found: list[tuple[Source, str]], experiment: str | None):
-    """The ``/metrics`` reply: ``verl_tasks.metrics`` text of each (source, experiment) found, or only ``experiment``."""
+    """The ``/metrics`` reply: ``verl_tasks.metrics`` text of each (source, experiment) found, or of ``experiment``."""
     from fastapi.responses import Response
 
     from verl_tasks.metrics import CONTENT_TYPE, render_reachable

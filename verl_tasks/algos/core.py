@@ -6,7 +6,7 @@ vanilla clipped policy loss with dual clip, loss aggregation modes, KL penalties
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -101,7 +101,8 @@ def policy_loss_vanilla(
     clip1 = torch.maximum(unclipped, clipped)
     clipfrac = masked_mean(torch.gt(clipped, unclipped).float(), response_mask)
     clip2 = torch.minimum(-advantages * clip_ratio_c, clip1)
-    lower_clipfrac = masked_mean(torch.gt(clip1, -advantages * clip_ratio_c).float() * (advantages < 0).float(), response_mask)
+    dual_clipped = torch.gt(clip1, -advantages * clip_ratio_c).float() * (advantages < 0).float()
+    lower_clipfrac = masked_mean(dual_clipped, response_mask)
     losses = torch.where(advantages < 0, clip2, clip1)
     loss = aggregate_loss(losses, response_mask, loss_agg_mode)
     return loss, {

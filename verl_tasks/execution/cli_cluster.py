@@ -14,9 +14,10 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from verl_tasks.config import ExperimentConfig
 

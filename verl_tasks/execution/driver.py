@@ -101,7 +101,8 @@ def run(running: Running, address: str) -> Outcome:
     return Outcome(result, split(began, connected, submitted[-1] if submitted else connected, result, returned))
 
 
-def split(began: float, connected: float, submitted: float, result: dict[str, Any], returned: float) -> dict[str, float]:
+def split(began: float, connected: float, submitted: float, result: dict[str, Any],
+          returned: float) -> dict[str, float]:
     """Where a unit's time went between the task and its worker (the worker reports its own clock)."""
     started = float(result.get("started_at") or submitted)
     finished = float(result.get("finished_at") or returned)

@@ -20,10 +20,10 @@ import time
 from typing import Any
 
 from verl_tasks.config import parse_config
-from verl_tasks.phase_registry import PHASE_NAMES
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.outcome import failure_result
 from verl_tasks.layout import Layout
+from verl_tasks.phase_registry import PHASE_NAMES
 
 log = logging.getLogger("verl_tasks.execution.entry")
 

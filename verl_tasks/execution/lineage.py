@@ -94,7 +94,8 @@ def seed_base_from(store: ObjectStore, experiment: str, parent: str, version: in
             writer.copy_from(source, name)
     writer.write_json("trainer_state.json", {"version": 0, "step": 0, "epoch": None, "seed": seed, "parent": origin})
     record, won = writer.commit({"version": 0, "source": "parent", "parent": origin})
-    log.info("base snapshot of %s %s from %s snapshot %d", experiment, "seeded" if won else "was already seeded", parent, version)
+    log.info("base snapshot of %s %s from %s snapshot %d", experiment, "seeded" if won else "was already seeded",
+             parent, version)
     return {"unit": target, "attempt": record.attempt, "parent": origin}
 
 

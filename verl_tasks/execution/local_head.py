@@ -168,8 +168,8 @@ def ensure_token(path: Path) -> Path:
     except FileExistsError:
         mode = os.lstat(path).st_mode
         if not stat.S_ISREG(mode) or mode & 0o077:
-            raise UnsafeStateDir(f"ray token {path} is readable by others or not a plain file (mode {oct(mode & 0o777)}); "
-                                 f"delete it and start again to get a new one") from None
+            raise UnsafeStateDir(f"ray token {path} is readable by others or not a plain file "
+                                 f"(mode {oct(mode & 0o777)}); delete it and start again to get a new one") from None
         return path
     with os.fdopen(fd, "w") as out:
         out.write(secrets.token_hex(32))
@@ -291,8 +291,9 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
         What the head's node offers (``CPU``, ``GPU`` when it has any, custom resources, ...),
         also logged: a GPU pool waits forever on a head that offers no GPUs.
     """
-    from ray._raylet import GcsClient
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+    # Both exist at run time: _raylet.pyi omits the compiled GcsClient; protobuf makes gcs_pb2's names at import.
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo  # type: ignore[attr-defined]
 
     deadline = time.monotonic() + timeout_s
     _gcs_listening(info, timeout_s)
@@ -371,11 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.action == "stop":
         log.info("ray head stopped" if stop(state) else "no ray head was running")
     else:
-        info = read_info(state)
-        if info is None:
+        running = read_info(state)
+        if running is None:
             log.error("no ray head running under %s", state)
             return 1
-        for key, value in {**info.client_env(), **info.driver_env()}.items():
+        for key, value in {**running.client_env(), **running.driver_env()}.items():
             sys.stdout.write(f"export {key}={value}\n")
     return 0
 

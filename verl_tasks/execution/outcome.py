@@ -16,8 +16,15 @@ import json
 from typing import Any
 
 from verl_tasks import errors
-from verl_tasks.errors import (BatchesMissing, ConfigError, SafeMode, SnapshotPruned, UnsafeKey, ValidationFailed,
-                               VerlTasksError)
+from verl_tasks.errors import (
+    BatchesMissing,
+    ConfigError,
+    SafeMode,
+    SnapshotPruned,
+    UnsafeKey,
+    ValidationFailed,
+    VerlTasksError,
+)
 
 # A retry of the same unit fails the same way: a person must change something first.
 DETERMINISTIC: tuple[type[VerlTasksError], ...] = (ConfigError, ValidationFailed, BatchesMissing, SafeMode, UnsafeKey,

@@ -59,7 +59,7 @@ class PoolShape:
     store: str = ""  # ``store_identity``: two deployments of one experiment name never share actors
 
     @classmethod
-    def for_phase(cls, config: ExperimentConfig, phase: str) -> "PoolShape":
+    def for_phase(cls, config: ExperimentConfig, phase: str) -> PoolShape:
         """The pool of ``phase``; an update on Ray Train is one driver actor that holds no GPUs, memory or
         custom resources: its Ray Train workers reserve those, so the driver never holds what they wait for.
         A rollout engine sharded over ``tensor_parallel_size`` GPUs gets them as a placement group."""

@@ -34,15 +34,23 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import ray
 
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution import UnitSpec, store_identity
 from verl_tasks.execution.heap import freeze_after_imports
-from verl_tasks.execution.pool_shape import (GATE_KIND, NAMESPACE, PREFIX, PoolShape, code_fingerprint,
-                                             experiment_shapes, pool_kind)
+from verl_tasks.execution.pool_shape import (
+    GATE_KIND,
+    NAMESPACE,
+    PREFIX,
+    PoolShape,
+    code_fingerprint,
+    experiment_shapes,
+    pool_kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +83,8 @@ class _Capture(logging.Handler):
 
 # One thread runs every unit, always the same one: with each call on another thread of a 64-thread
 # group, torch's work ran 1.7-2.3x slower than on one thread (10k futex calls a second in the actor).
-@ray.remote(max_restarts=-1, concurrency_groups={"work": 1, "control": 2})
+# Ray's overloads of ``remote`` list the task options only, not the actor's ``concurrency_groups``.
+@ray.remote(max_restarts=-1, concurrency_groups={"work": 1, "control": 2})  # type: ignore[call-overload]
 class PoolWorker:
     """Runs one unit at a time (``run`` calls wait in Ray's queue); answers ``state`` and ``retire`` meanwhile."""
 
@@ -235,7 +244,8 @@ def start_cpu_pools(config: ExperimentConfig) -> None:
 
 def pool_actors(shape: PoolShape) -> list[Any]:
     """The pool's actors, created (and left to Ray to place) when missing."""
-    return [PoolWorker.options(**shape.actor_options(i)).remote(shape.kind, shape.idle_release_s)
+    actor_class: Any = PoolWorker  # @ray.remote made it an ActorClass; mypy keeps a decorated class's own type
+    return [actor_class.options(**shape.actor_options(i)).remote(shape.kind, shape.idle_release_s)
             for i in range(shape.workers)]
 
 
@@ -340,7 +350,7 @@ def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any
             raise
         if ready:
             return ray.get(ref)
-        if started is not None and time.time() - started > timeout_s:
+        if started is not None and timeout_s is not None and time.time() - started > timeout_s:
             raise _timed_out(config, spec, attempt, actor, timeout_s, store)
 
 
@@ -366,8 +376,8 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
     does: each retry is a new attempt; the first failure that is not retried nor left out is
     raised once the other units finish.
     """
-    from verl_tasks.execution.outcome import LEAVE_OUT, RETRY, after_failure, describe, error_from_result
     from verl_tasks.errors import PhaseFailed
+    from verl_tasks.execution.outcome import LEAVE_OUT, RETRY, after_failure, describe, error_from_result
     from verl_tasks.phase_registry import phase as phase_spec
     from verl_tasks.store.units import new_attempt_id
 
@@ -475,5 +485,5 @@ def _kill_if_running(actor: Any, attempt: str | None) -> bool:
     return True
 
 
-__all__ = ["PoolShape", "PoolWorker", "dispatch", "release_experiment", "submit", "wait", "run_unit", "run_on_pools", "cancel_unit", "pool_kind", "start_cpu_pools", "code_fingerprint", "ensure_connected",
-           "NAMESPACE"]
+__all__ = ["PoolShape", "PoolWorker", "dispatch", "release_experiment", "submit", "wait", "run_unit", "run_on_pools",
+           "cancel_unit", "pool_kind", "start_cpu_pools", "code_fingerprint", "ensure_connected", "NAMESPACE"]

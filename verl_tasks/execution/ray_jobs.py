@@ -158,7 +158,7 @@ class RayTarget:
     token: str | None = field(default=None, repr=False)
 
     @classmethod
-    def from_env(cls) -> "RayTarget":
+    def from_env(cls) -> RayTarget:
         """Address from ``VERL_TASKS_RAY_ADDRESS`` / ``RAY_ADDRESS``, token per :func:`read_token`.
 
         Raises:
@@ -185,7 +185,7 @@ def normalise_address(address: str) -> str:
     return address.rstrip("/")
 
 
-def check_same_store(jobs: list["JobHandle"], config: ExperimentConfig, spec: UnitSpec) -> None:
+def check_same_store(jobs: list[JobHandle], config: ExperimentConfig, spec: UnitSpec) -> None:
     """Refuse to attach to a live job of this unit's id that commits to another store.
 
     Job ids name the experiment, not the store: two deployments (staging and production, a copied
@@ -290,7 +290,8 @@ class RayJobBackend:
     def entrypoint(self, config: ExperimentConfig, spec: UnitSpec) -> str:
         from verl_tasks.execution.entry import encode_config
 
-        parts = [self.python, "-m", "verl_tasks.execution.entry", "--config-b64", encode_config(config.model_dump(mode="json")),
+        parts = [self.python, "-m", "verl_tasks.execution.entry",
+                 "--config-b64", encode_config(config.model_dump(mode="json")),
                  "--phase", spec.phase, "--epoch", str(spec.epoch)]
         if spec.batch is not None:
             parts += ["--batch", str(spec.batch)]
@@ -332,7 +333,8 @@ class RayJobBackend:
             self.stop(live[-1].submission_id)  # raises while the dashboard fails: never two live jobs
             live = []
         if live:
-            log.info("attaching to live Ray job %s (%s) of unit %s", live[-1].submission_id, live[-1].status, spec.label)
+            log.info("attaching to live Ray job %s (%s) of unit %s", live[-1].submission_id, live[-1].status,
+                     spec.label)
             return live[-1]
         newest = jobs[-1] if jobs else None
         if newest is not None and newest.status == "SUCCEEDED" and not resubmit_succeeded:
@@ -354,7 +356,8 @@ class RayJobBackend:
                 # With pools the phase's actor holds its resources; the driver only waits for it.
                 entrypoint_num_cpus=0 if self.pool else resources.num_cpus,
                 entrypoint_num_gpus=0 if self.pool else resources.num_gpus,
-                entrypoint_memory=int(resources.memory_mb * 1024 * 1024) if resources.memory_mb and not self.pool else None,
+                entrypoint_memory=(int(resources.memory_mb * 1024 * 1024) if resources.memory_mb and not self.pool
+                                   else None),
             )
         except RuntimeError as err:
             if DUPLICATE_ID in str(err):  # another retry of this unit won the same attempt id: attach

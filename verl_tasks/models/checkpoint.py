@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -39,7 +39,7 @@ def refuse_pickles(folder: Path) -> None:
             )
 
 
-def save_policy(model: torch.nn.Module, tokenizer: Any, folder: Path) -> list[Path]:
+def save_policy(model: Any, tokenizer: Any, folder: Path) -> list[Path]:
     """Write an HF-loadable folder; returns the files written."""
     from transformers.utils import logging as hf_logging
 
@@ -75,7 +75,8 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
         return 0, param.shape[0]
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)  # type: ignore[attr-defined]
     return offset[0], offset[0] + shape[0]
 
 
@@ -219,4 +220,5 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return value
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    sharded = cast(DTensor, param)
+    return DTensor.from_local(value, sharded.device_mesh, sharded.placements, shape=param.shape, stride=param.stride())

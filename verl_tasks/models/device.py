@@ -62,17 +62,18 @@ def choose_device(requested: str, facts: DeviceFacts) -> tuple[torch.device, str
         return CPU, f"model.device=auto: no CUDA device usable here ({facts.describe()}); computing on the CPU"
     if facts.ray_gpu_ids is None:
         return torch.device("cuda", 0), f"model.device={requested}: the first visible CUDA device ({facts.describe()})"
-    index = _first_assigned(facts)
+    index = _first_assigned(facts, facts.ray_gpu_ids)
     why = f"model.device={requested}: cuda:{index}, the first GPU Ray assigned to this worker ({facts.describe()})"
     return torch.device("cuda", index), why
 
 
-def _first_assigned(facts: DeviceFacts) -> int:
-    """The CUDA index of the first assigned GPU: its position among the visible devices (0 when Ray
-    narrowed them to the assigned ones), or its id when every device is visible."""
+def _first_assigned(facts: DeviceFacts, assigned: tuple[str, ...]) -> int:
+    """The CUDA index of the first assigned GPU (``assigned``: Ray's GPU ids, ``facts.ray_gpu_ids``): its
+    position among the visible devices (0 when Ray narrowed them to the assigned ones), or its id when
+    every device is visible."""
     if facts.visible is None:
-        return min(int(gpu) for gpu in facts.ray_gpu_ids)
-    positions = [facts.visible.index(gpu) for gpu in facts.ray_gpu_ids if gpu in facts.visible]
+        return min(int(gpu) for gpu in assigned)
+    positions = [facts.visible.index(gpu) for gpu in assigned if gpu in facts.visible]
     if not positions:
         raise ConfigError(f"Ray assigned this worker GPUs it cannot see ({facts.describe()}); do not set "
                           f"CUDA_VISIBLE_DEVICES in the phase's runtime environment: Ray sets it")
@@ -85,9 +86,11 @@ def device_facts() -> DeviceFacts:
     a driver holds no GPUs of its own."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ray = sys.modules.get("ray")
-    in_worker = ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    ray_gpu_ids = None
+    if ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+        ray_gpu_ids = tuple(str(gpu) for gpu in ray.get_gpu_ids())
     return DeviceFacts(
-        ray_gpu_ids=tuple(str(gpu) for gpu in ray.get_gpu_ids()) if in_worker else None,
+        ray_gpu_ids=ray_gpu_ids,
         cuda_usable=torch.cuda.is_available(),
         visible=None if visible is None else tuple(v.strip() for v in visible.split(",") if v.strip()),
     )

@@ -55,7 +55,8 @@ def import_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
         log.info("%s already holds %s", out, gguf.name)
         return out
     if out.exists():
-        raise ConfigError(f"{out} exists and is not an import of {gguf.name} as {dtype}; remove it or choose another folder")
+        raise ConfigError(f"{out} exists and is not an import of {gguf.name} as {dtype}; "
+                          "remove it or choose another folder")
     kwargs = {"gguf_file": gguf.name}
     config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)

@@ -41,7 +41,7 @@ class _Entry:
     model: torch.nn.Module
     tokenizer: Any
     architecture: str  # config.json, canonical: in-place reloads need the same one
-    optimizer: "WarmOptimizer | None" = None
+    optimizer: WarmOptimizer | None = None
 
 
 @dataclass(frozen=True)

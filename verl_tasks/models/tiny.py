@@ -64,7 +64,8 @@ def warm_start_answer(a: int, b: int, rng: random.Random, carry_error_rate: floa
     return a + b
 
 
-def warm_start(cfg: TinyModelConfig, seed: int, tokenizer: PreTrainedTokenizerFast) -> tuple[LlamaForCausalLM, dict[str, Any]]:
+def warm_start(cfg: TinyModelConfig, seed: int,
+               tokenizer: PreTrainedTokenizerFast) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """Train the base policy with next-token loss on response tokens. Deterministic for a seed."""
     model = build_model(cfg, len(tokenizer), seed)
     train_pairs, _ = arith_pairs(seed)
@@ -82,7 +83,8 @@ def warm_start(cfg: TinyModelConfig, seed: int, tokenizer: PreTrainedTokenizerFa
         input_ids, labels = [], []
         for a, b in batch:
             prompt = tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
-            answer = tokenizer(str(warm_start_answer(a, b, rng, cfg.carry_error_rate)), add_special_tokens=False)["input_ids"]
+            answer_text = str(warm_start_answer(a, b, rng, cfg.carry_error_rate))
+            answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
             ids = prompt + answer + [tokenizer.eos_token_id]
             input_ids.append(ids)
             labels.append([-100] * len(prompt) + answer + [tokenizer.eos_token_id])
@@ -90,7 +92,7 @@ def warm_start(cfg: TinyModelConfig, seed: int, tokenizer: PreTrainedTokenizerFa
         ids_t = torch.full((len(batch), width), tokenizer.pad_token_id)
         lab_t = torch.full((len(batch), width), -100)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (ids, lab) in enumerate(zip(input_ids, labels)):
+        for row, (ids, lab) in enumerate(zip(input_ids, labels, strict=True)):
             ids_t[row, : len(ids)] = torch.tensor(ids)
             lab_t[row, : len(lab)] = torch.tensor(lab)
             mask[row, : len(ids)] = 1

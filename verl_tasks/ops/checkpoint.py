@@ -131,7 +131,8 @@ def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
     sha = record.files[WEIGHTS].sha256 if WEIGHTS in record.files else None
     size = sum(e.size for e in record.files.values())
     if is_pruned(ref.store, ref.unit):
-        return Verdict(ref.version, ref.unit, True, "PRUNED", ["weights deleted by retention (metadata kept)"], sha, size)
+        return Verdict(ref.version, ref.unit, True, "PRUNED", ["weights deleted by retention (metadata kept)"],
+                       sha, size)
     problems = verify_unit(ref.store, record) or optimizer_problems(ref, record)
     if not problems and forward:
         with tempfile.TemporaryDirectory() as tmp:

@@ -83,19 +83,22 @@ def decide(store: ObjectStore, layout: Layout, final_epoch: int, margin: float =
     version = final_epoch + 1
     pin = read_pin(store, layout) or {}
     parent = pin.get("parent")
-    common = {"experiment": layout.experiment, "version": version, "margin": margin, "parent": parent,
-              "parent_reported_accuracy": parent_evaluation(store, parent)}
+    reported = parent_evaluation(store, parent)
     accuracy = evaluated_accuracy(store, layout.evaluate(final_epoch))
     baseline = evaluated_accuracy(store, layout.base_evaluate)
+
+    def decision(promoted: bool, reason: str) -> Promotion:
+        return Promotion(layout.experiment, version, promoted, reason, accuracy=accuracy, baseline=baseline,
+                         margin=margin, parent=parent, parent_reported_accuracy=reported)
+
     if accuracy is None or baseline is None:
         missing = layout.evaluate(final_epoch) if accuracy is None else layout.base_evaluate
-        return Promotion(promoted=False, reason=f"not promoted: {missing} is not committed, so snapshot {version} "
-                                                f"cannot be compared with where the run started",
-                         accuracy=accuracy, baseline=baseline, **common)
+        return decision(False, f"not promoted: {missing} is not committed, so snapshot {version} "
+                               f"cannot be compared with where the run started")
     start = (f"{parent['experiment']} snapshot {parent['version']}" if parent else "the configured base model")
     promoted = beats(accuracy, baseline, margin)
     verdict = "promoted" if promoted else "not promoted"
     relation = "beats" if promoted else "does not beat"
     reason = (f"{verdict}: snapshot {version} eval_accuracy {accuracy:.4f} {relation} {start} ({baseline:.4f} on "
               f"the same held-out prompts) by more than the margin {margin:g}")
-    return Promotion(promoted=promoted, reason=reason, accuracy=accuracy, baseline=baseline, **common)
+    return decision(promoted, reason)

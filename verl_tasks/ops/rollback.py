@@ -20,7 +20,7 @@ from verl_tasks.events import record_event
 from verl_tasks.layout import MAX_EPOCH, Layout
 from verl_tasks.store.base import ObjectStore
 from verl_tasks.store.conventions import forget_best_above, forget_retention, latest_version, read_best, write_latest
-from verl_tasks.store.units import MARKER, PRUNED, is_pruned, read_marker
+from verl_tasks.store.units import MARKER, PRUNED, committed_record, is_pruned, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,10 @@ def plan_rollback(store: ObjectStore, layout: Layout, to_epoch: int) -> Rollback
 
 
 def apply_rollback(store: ObjectStore, layout: Layout, plan: RollbackPlan) -> str:
-    """Move the planned units' markers under a new tombstone folder; repoint ``latest.json``. Returns the tombstone prefix."""
+    """Move the planned units' markers under a new tombstone folder; repoint ``latest.json``.
+
+    Returns the tombstone prefix.
+    """
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     tomb = f"{layout.tombstones}/{stamp}"
     n = 0
@@ -105,7 +108,7 @@ def apply_rollback(store: ObjectStore, layout: Layout, plan: RollbackPlan) -> st
             store.put(f"{tomb}/{unit[rel:]}/{name}", data)
             store.delete(key)
     # The one place besides the corrupt-snapshot fallback where latest.json moves back, on purpose.
-    write_latest(store, layout, plan.latest_version, read_marker(store, layout.snapshot(plan.latest_version)),
+    write_latest(store, layout, plan.latest_version, committed_record(store, layout.snapshot(plan.latest_version)),
                  allow_lower=True)
     forget_best_above(store, layout, plan.latest_version)
     record_event(store, layout, "rollback", to_epoch=plan.to_epoch, units=len(plan.units), tombstone=tomb)

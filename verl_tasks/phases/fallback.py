@@ -19,7 +19,7 @@ from typing import Any
 from verl_tasks.errors import IntegrityError
 from verl_tasks.events import record_event
 from verl_tasks.store.conventions import WEIGHTS, check_not_pruned, latest_version, snapshot_versions, write_latest
-from verl_tasks.store.units import PRUNED, is_pruned, quarantine, read_marker, verify_unit
+from verl_tasks.store.units import PRUNED, committed_record, is_pruned, quarantine, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def fall_back(ctx, version: int, problems: list[str]) -> dict[str, Any]:
     previous = newest_valid_version(ctx, version)
     pointed = latest_version(store, layout)
     if previous is not None and pointed is not None and pointed >= version:
-        write_latest(store, layout, previous, read_marker(store, layout.snapshot(previous)), allow_lower=True)
+        write_latest(store, layout, previous, committed_record(store, layout.snapshot(previous)), allow_lower=True)
     fields = {"unit": snap, "version": version, "problems": problems, "quarantined": quarantined,
               "fell_back_to": previous}
     log.warning(

@@ -28,7 +28,8 @@ def plan(ctx: PhaseContext, epoch: int) -> CommitRecord:
         chosen = order[offset * per_epoch : (offset + 1) * per_epoch]
         size = cfg.rollout.prompts_per_batch
         batches = [
-            {"batch": b, "prompt_ids": chosen[b * size : (b + 1) * size], "seed": derive_seed(cfg.seed, epoch, "rollout", b)}
+            {"batch": b, "prompt_ids": chosen[b * size : (b + 1) * size],
+             "seed": derive_seed(cfg.seed, epoch, "rollout", b)}
             for b in range(cfg.rollout.batches_per_epoch)
         ]
         writer.write_json(

@@ -17,7 +17,7 @@ from verl_tasks.execution.lineage import seed_base_from
 from verl_tasks.models.checkpoint import save_policy
 from verl_tasks.phases.common import CACHE_DIR, PhaseContext, committed, run_unit, set_determinism
 from verl_tasks.pinning import pin_experiment
-from verl_tasks.store.units import CommitRecord, UnitWriter, is_committed, read_jsonl, read_marker
+from verl_tasks.store.units import CommitRecord, UnitWriter, committed_record, is_committed, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +73,29 @@ def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
         from transformers import AutoModelForCausalLM
 
         # In the dtype the update trains (the snapshots'), not the checkpoint's own.
+        name = cfg.model.name_or_path
+        assert name is not None  # the config requires it for source hf
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.name_or_path, use_safetensors=True, trust_remote_code=cfg.model.trust_remote_code,
+            name, use_safetensors=True, trust_remote_code=cfg.model.trust_remote_code,
             dtype=getattr(torch, cfg.model.train_dtype),
         )
         save_policy(model, _tokenizer_for(ctx), work)
         return work, {"source": "hf", "name_or_path": cfg.model.name_or_path}
     from verl_tasks.models.tiny import build_tokenizer, warm_start
 
-    key = json.dumps({"tiny": cfg.model.tiny.model_dump(), "seed": cfg.seed, "threads": cfg.torch_threads}, sort_keys=True)
+    key = json.dumps({"tiny": cfg.model.tiny.model_dump(), "seed": cfg.seed, "threads": cfg.torch_threads},
+                     sort_keys=True)
     import hashlib
 
     cache = CACHE_DIR / "warm-start" / hashlib.sha256(key.encode()).hexdigest()[:20]
     if (cache / "info.json").exists():
         return cache, json.loads((cache / "info.json").read_text())
-    model, info = warm_start(cfg.model.tiny, cfg.seed, build_tokenizer())
-    save_policy(model, build_tokenizer(), work)
+    tiny, info = warm_start(cfg.model.tiny, cfg.seed, build_tokenizer())
+    save_policy(tiny, build_tokenizer(), work)
     info = {"source": "tiny", **info}
     try:
-        tmp = Path(tempfile.mkdtemp(dir=cache.parent.mkdir(parents=True, exist_ok=True) or cache.parent))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent))
         for path in work.iterdir():
             (tmp / path.name).write_bytes(path.read_bytes())
         (tmp / "info.json").write_text(json.dumps(info))
@@ -109,7 +113,7 @@ def base_snapshot(ctx: PhaseContext, parent: dict[str, Any] | None = None) -> Co
     """
     if parent:
         seed_base_from(ctx.store, ctx.config.experiment, parent["experiment"], parent["version"], ctx.config.seed)
-        return read_marker(ctx.store, ctx.layout.snapshot(0))
+        return committed_record(ctx.store, ctx.layout.snapshot(0))
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
         set_determinism(ctx.config)

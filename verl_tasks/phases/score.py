@@ -40,7 +40,7 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
             )
         writer.write_jsonl(
             "scores.jsonl",
-            [{"sample_id": s["sample_id"], "score": value} for s, value in zip(samples, result.scores)],
+            [{"sample_id": s["sample_id"], "score": value} for s, value in zip(samples, result.scores, strict=True)],
         )
         mean = sum(result.scores) / max(1, len(result.scores))
         return {"samples": len(samples), "reward_mean": mean, "failed_samples": result.failures}

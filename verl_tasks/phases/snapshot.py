@@ -149,7 +149,8 @@ def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
                 "config_hash": cfg.config_hash(),
                 "parent_version": epoch,
                 # All randomness is derived from (seed, epoch, phase, batch): this is the RNG state.
-                "rng": {"seed": cfg.seed, "scheme": "sha256(seed/epoch/phase/batch)", "next_update_seed": derive_seed(cfg.seed, version, "update")},
+                "rng": {"seed": cfg.seed, "scheme": "sha256(seed/epoch/phase/batch)",
+                        "next_update_seed": derive_seed(cfg.seed, version, "update")},
                 "metrics": metrics,
             },
         )

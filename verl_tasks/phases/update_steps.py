@@ -9,9 +9,10 @@ Shapes: ``B`` sequences, ``L`` padded sequence length, ``R`` response tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class UpdateInputs:
     def __len__(self) -> int:
         return self.advantages.size(0)
 
-    def to(self, device: torch.device) -> "UpdateInputs":
+    def to(self, device: torch.device) -> UpdateInputs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return UpdateInputs({k: v.to(device) for k, v in self.data.items()}, move(self.old_logp),
                             self.advantages.to(device), move(self.ref_logp))
@@ -57,14 +58,14 @@ def collate(samples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tenso
     width = max(map(len, sequences))
     resp_width = max(1, max(len(s["response_ids"]) for s in samples))
     input_ids, attention, positions, response_ids, response_mask = [], [], [], [], []
-    for s, ids in zip(samples, sequences):
+    for s, ids in zip(samples, sequences, strict=True):
         n_prompt, n_resp = len(s["prompt_ids"]), len(s["response_ids"])
         input_ids.append(ids + [pad_id] * (width - len(ids)))
         attention.append([1] * len(ids) + [0] * (width - len(ids)))
         resp_pad = [0] * (resp_width - n_resp)
         positions.append(list(range(n_prompt - 1, n_prompt - 1 + n_resp)) + resp_pad)
         response_ids.append(s["response_ids"] + [pad_id] * (resp_width - n_resp))
-        response_mask.append([1.0] * n_resp + resp_pad)
+        response_mask.append([1.0] * n_resp + [0.0] * (resp_width - n_resp))
     return {
         "input_ids": torch.tensor(input_ids, dtype=torch.long),
         "attention_mask": torch.tensor(attention, dtype=torch.long),
@@ -168,6 +169,7 @@ def minibatch_loss(
         old_logp, logp, inputs.advantages[rows], mb["response_mask"],
         algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, mode,
     )
+    assert entropy is not None  # asked for above
     entropy_loss = aggregate_loss(entropy, mb["response_mask"], mode)
     loss = pg_loss - algo.entropy_coef * entropy_loss
     metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item()}
@@ -194,7 +196,8 @@ def accumulate_gradients(module: torch.nn.Module, inputs: UpdateInputs, rows: to
     metrics: dict[str, float] = {}
     for index, (part, loss_w, token_w) in enumerate(parts):
         last = index == len(parts) - 1
-        with nullcontext() if last or not hasattr(module, "no_sync") else module.no_sync():
+        no_sync = getattr(module, "no_sync", None)  # DDP's: all-reduce on the last micro-batch only
+        with nullcontext() if last or no_sync is None else no_sync():
             loss, part_metrics = minibatch_loss(module, inputs, part, algo, temperature)
             (loss * (loss_w * world)).backward()
         accumulate(metrics, {k: v * (token_w if k in TOKEN_MEAN_METRICS else loss_w) for k, v in part_metrics.items()})

@@ -27,8 +27,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import IO, Any, cast
 
 from verl_tasks.errors import ConfigError
 from verl_tasks.secrets import scrubbed_env
@@ -54,7 +55,7 @@ class RewardSandbox:
         self.function = function
         self.timeout_s = timeout_s
         self.memory_limit = memory_limit_mb << 20
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[str] | None = None
         self.reader: int | None = None
         self._buffer = b""
         self._eof = False
@@ -72,11 +73,12 @@ class RewardSandbox:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
         return env
 
-    def start(self) -> None:
+    def start(self) -> subprocess.Popen[str]:
+        """Start the worker process and wait for its hello. Returns the process (also ``self.proc``)."""
         read_fd, write_fd = os.pipe()
         self.workdir = tempfile.mkdtemp(prefix="vt-reward-")
         self.started_env = self._environment()
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [sys.executable, "-m", "verl_tasks.rewards.worker", self.function, str(write_fd)],
             cwd=self.workdir,
             env=self.started_env,
@@ -97,18 +99,22 @@ class RewardSandbox:
             self.close()
             raise ConfigError(f"rewards.function {self.function!r} cannot be loaded: "
                               f"{reason or 'the worker did not start'}")
+        return proc
 
     def _read_line(self, timeout: float) -> Any:
         """The next reply (any JSON value; ``MALFORMED`` when not JSON), or None on timeout or a dead worker."""
+        reader = self.reader
+        if reader is None:  # closed: no worker to read from
+            return None
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([self.reader], [], [], left)
+            ready, _, _ = select.select([reader], [], [], left)
             if not ready:
                 return None
-            chunk = os.read(self.reader, 65536)
+            chunk = os.read(reader, 65536)
             if not chunk:
                 self._eof = True  # the worker died
                 return None
@@ -136,7 +142,7 @@ class RewardSandbox:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
 
-    def __enter__(self) -> "RewardSandbox":
+    def __enter__(self) -> RewardSandbox:
         self.start()
         return self
 
@@ -155,15 +161,15 @@ class RewardSandbox:
         lines = [json.dumps({"i": i, **{k: s[k] for k in REQUEST_KEYS}}) + "\n" for i, s in enumerate(samples)]
         i = 0
         while i < len(samples):
-            if self.proc is None:
-                self.start()
+            proc = self.proc if self.proc is not None else self.start()
+            stdin = cast(IO[str], proc.stdin)  # never None: the worker is started with stdin=PIPE
             end, size = i, 0
             while end < len(lines) and (end == i or size + len(lines[end]) <= WINDOW_BYTES):
                 size += len(lines[end])
                 end += 1
             try:
-                self.proc.stdin.write("".join(lines[i:end]))
-                self.proc.stdin.flush()
+                stdin.write("".join(lines[i:end]))
+                stdin.flush()
             except (BrokenPipeError, OSError):
                 self._eof = True
                 end = i + 1  # the worker is gone: sample i gets the default, the rest a new worker
@@ -171,10 +177,11 @@ class RewardSandbox:
                 reply = None if self._eof else self._read_line(self.timeout_s)
                 i = k + 1
                 if reply is None:
-                    crashed = self._eof or self.proc.poll() is not None
+                    crashed = self._eof or proc.poll() is not None
                     self.close()
                     result.scores.append(default)
-                    result.failures[samples[k]["id"]] = "worker crashed" if crashed else f"timed out after {self.timeout_s:g}s"
+                    result.failures[samples[k]["id"]] = ("worker crashed" if crashed
+                                                         else f"timed out after {self.timeout_s:g}s")
                     break
                 score, reason = check_reply(reply, k)
                 result.scores.append(default if score is None else score)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 from urllib.parse import urlparse
 
 from verl_tasks.store.base import NotFound, ObjectStore, check_key
@@ -13,8 +13,17 @@ from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from verl_tasks.config import ExperimentConfig
 
-__all__ = ["absolute_uri", "NotFound", "ObjectStore", "LocalStore", "CommitRecord", "UnitWriter", "read_marker", "check_key",
-           "open_store", "store_for"]
+__all__ = ["absolute_uri", "NotFound", "ObjectStore", "LocalStore", "CommitRecord", "UnitWriter", "read_marker",
+           "check_key", "open_store", "store_for", "S3Options"]
+
+
+class S3Options(TypedDict, total=False):
+    """Tuning of the S3 client (``S3Store``'s keyword arguments of the same names)."""
+
+    max_attempts: int
+    connect_timeout: float
+    read_timeout: float
+    multipart_threshold: int
 
 
 def absolute_uri(uri: str, root: str | os.PathLike | None = None) -> str:
@@ -35,7 +44,7 @@ def open_store(
     sse: str = "none",
     sse_kms_key_id: str | None = None,
     credentials: dict[str, str] | None = None,
-    s3_options: dict[str, float] | None = None,
+    s3_options: S3Options | None = None,
 ) -> ObjectStore:
     """A store for ``file://PATH`` (relative paths from the working directory) or ``s3://BUCKET/PREFIX``.
 
@@ -63,7 +72,7 @@ def open_store(
     raise ValueError(f"unsupported store URI {uri!r}: use file://PATH or s3://BUCKET/PREFIX")
 
 
-def store_for(config: "ExperimentConfig", credentials: dict[str, str] | None = None) -> ObjectStore:
+def store_for(config: ExperimentConfig, credentials: dict[str, str] | None = None) -> ObjectStore:
     """The store an experiment's ``storage`` section names (credentials from an Airflow connection, if given)."""
     s = config.storage
     return open_store(s.uri, endpoint_url=s.endpoint_url, region=s.region, sse=s.sse,

@@ -6,10 +6,11 @@ touches S3 or the disk; everything else speaks in keys.
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from verl_tasks.errors import UnsafeKey
 
@@ -54,6 +55,7 @@ class ObjectStore(abc.ABC):
         """Make what this process wrote durable now, before another process commits it (a Ray Train
         worker's share of an update). The local store defers its attempt folders' fsyncs to the next
         marker written *in this process*; a write to S3 is durable once acknowledged: nothing to do."""
+        return None  # deliberately a no-op by default (not abstract): stores that defer fsyncs override it
 
     @abc.abstractmethod
     def put_file(self, key: str, path: Path) -> None:
@@ -79,12 +81,15 @@ class ObjectStore(abc.ABC):
         """Every key under ``prefix`` (recursive), sorted."""
 
     @abc.abstractmethod
-    def folders(self, limit: int) -> list[str]:
+    def folders(self, limit: int) -> builtins.list[str]:  # builtins: ``list`` is the method above
         """The first ``limit`` top-level folder names at the store's root, sorted: a bounded look at what it holds."""
 
     @abc.abstractmethod
     def list_modified(self, prefix: str) -> dict[str, float]:
-        """Every key under ``prefix`` -> its last write (epoch seconds); how ``gc`` tells a live attempt from a dead one."""
+        """Every key under ``prefix`` -> its last write (epoch seconds).
+
+        How ``gc`` tells a live attempt from a dead one.
+        """
 
     def temp_files(self, prefix: str) -> dict[str, float]:
         """Half-written temp files under ``prefix`` -> last write; none for stores that write in place."""

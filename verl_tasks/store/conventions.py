@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from verl_tasks.errors import SnapshotPruned
+from verl_tasks.errors import IntegrityError, SnapshotPruned
 from verl_tasks.layout import Layout
 from verl_tasks.store.base import NotFound, ObjectStore
-from verl_tasks.errors import IntegrityError
 from verl_tasks.store.units import MARKER, PRUNED, QUARANTINE, CommitRecord, UnitWriter, read_marker, stamp_time
 
 WEIGHTS = "model.safetensors"

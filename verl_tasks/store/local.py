@@ -1,6 +1,7 @@
 """A store in a local directory: the embedded default, and a shared filesystem in production."""
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import os
@@ -8,8 +9,8 @@ import queue
 import shutil
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from verl_tasks.errors import StoreError
 from verl_tasks.store.base import NotFound, ObjectStore, check_key
@@ -142,7 +143,7 @@ class LocalStore(ObjectStore):
             check_key(prefix.rstrip("/") or ".")
         if base.is_file():
             return [] if temp else [base]
-        out = []
+        out: list[Path] = []
         for dirpath, _dirs, files in os.walk(base):
             if self._staged(dirpath):  # inside a staging folder (``staging``): every file is in flight
                 out.extend(Path(dirpath, name) for name in files if temp)
@@ -168,7 +169,7 @@ class LocalStore(ObjectStore):
         return sorted(os.path.join(folder, name)[start:] for folder, _dirs, files in os.walk(base)
                       if not self._staged(folder) for name in files if not name.startswith(".tmp-"))
 
-    def folders(self, limit: int) -> list[str]:
+    def folders(self, limit: int) -> builtins.list[str]:  # builtins: ``list`` is the method above
         try:
             names = sorted(entry.name for entry in os.scandir(self.root)
                            if entry.is_dir() and not entry.name.startswith("."))
@@ -176,7 +177,7 @@ class LocalStore(ObjectStore):
             return []
         return names[:limit]
 
-    def _mtimes(self, paths: list[Path]) -> dict[str, float]:
+    def _mtimes(self, paths: builtins.list[Path]) -> dict[str, float]:
         out = {}
         for path in paths:
             try:
@@ -294,7 +295,8 @@ def sync_deferred() -> int:
     what a few sequential ones do.
     """
     with _DEFERRED_LOCK:
-        jobs = [(_fsync_file, path) for path in _DEFERRED_FILES] + [(_fsync_dir, folder) for folder in _DEFERRED]
+        jobs: list[tuple[Callable[[Path], None], Path]] = [(_fsync_file, path) for path in _DEFERRED_FILES]
+        jobs += [(_fsync_dir, folder) for folder in _DEFERRED]
         if len(jobs) > 1:
             _syncer().run(jobs)
         elif jobs:

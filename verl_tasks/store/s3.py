@@ -5,9 +5,11 @@ chain (environment, instance role); this class never logs them.
 """
 from __future__ import annotations
 
+import builtins
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import boto3
 from boto3.exceptions import S3UploadFailedError
@@ -34,7 +36,7 @@ def _explained(method: _Method) -> _Method:
     """Turn missing credentials and 403s into one StoreError line naming the object, the problem and the fix."""
 
     @functools.wraps(method)
-    def wrapper(self: "S3Store", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: S3Store, *args: Any, **kwargs: Any) -> Any:
         key = args[0] if args and isinstance(args[0], str) else ""
         try:
             return method(self, *args, **kwargs)
@@ -176,16 +178,16 @@ class S3Store(ObjectStore):
     def list(self, prefix: str) -> list[str]:
         full = self._key(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         paginator = self.client.get_paginator("list_objects_v2")
-        keys = []
+        keys: list[str] = []
         for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
             keys.extend(self._strip(item["Key"]) for item in page.get("Contents", []))
         return sorted(keys)
 
     @_explained
-    def folders(self, limit: int) -> list[str]:
+    def folders(self, limit: int) -> builtins.list[str]:  # builtins: ``list`` is the method above
         root = self.prefix + "/" if self.prefix else ""
         paginator = self.client.get_paginator("list_objects_v2")
-        names: list[str] = []
+        names: builtins.list[str] = []
         pages = paginator.paginate(Bucket=self.bucket, Prefix=root, Delimiter="/",
                                    PaginationConfig={"MaxItems": limit, "PageSize": min(limit, 1000)})
         for page in pages:

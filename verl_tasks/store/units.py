@@ -22,9 +22,10 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from verl_tasks.errors import AttemptFenced, IntegrityError, StoreError
 from verl_tasks.store.base import NotFound, ObjectStore
@@ -91,7 +92,7 @@ class CommitRecord:
         return json.dumps(body, sort_keys=True, indent=1).encode()
 
     @classmethod
-    def from_json(cls, unit: str, data: bytes) -> "CommitRecord":
+    def from_json(cls, unit: str, data: bytes) -> CommitRecord:
         try:
             body = json.loads(data)
             files = {name: FileEntry(int(e["size"]), str(e["sha256"])) for name, e in body["files"].items()}
@@ -109,6 +110,19 @@ def read_marker(store: ObjectStore, unit: str) -> CommitRecord | None:
     except NotFound:
         return None
     return CommitRecord.from_json(unit, data)
+
+
+def committed_record(store: ObjectStore, unit: str) -> CommitRecord:
+    """The record of a unit that must be committed (``read_marker`` without the None).
+
+    Raises:
+        StoreError: the unit has no marker (not committed, or removed meanwhile).
+        IntegrityError: the marker is corrupt.
+    """
+    record = read_marker(store, unit)
+    if record is None:
+        raise StoreError(f"{store.url(unit)} is not committed (no {MARKER})")
+    return record
 
 
 def is_committed(store: ObjectStore, unit: str) -> bool:
@@ -253,7 +267,9 @@ def fence_record(store: ObjectStore, unit: str, attempt: str) -> dict[str, Any] 
 def check_not_fenced(store: ObjectStore, unit: str, attempt: str | None) -> None:
     """Raise ``AttemptFenced`` when ``attempt`` of ``unit`` was cancelled (None: an unnamed inline attempt,
     which nothing fences)."""
-    fence = fence_record(store, unit, attempt) if attempt else None
+    if not attempt:
+        return
+    fence = fence_record(store, unit, attempt)
     if fence is not None:
         raise AttemptFenced(unit, attempt, str(fence.get("reason", "cancelled")))
 

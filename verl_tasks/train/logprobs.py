@@ -15,6 +15,7 @@ checkpoints and the optimizer state use, stay the causal LM's (``.lm``).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -37,7 +38,7 @@ def chunk_tokens(vocab_size: int) -> int:
     return max(1, LOGITS_BUDGET // vocab_size)
 
 
-def refuse_logit_post_processing(lm: torch.nn.Module) -> None:
+def refuse_logit_post_processing(lm: Any) -> None:
     """Raise ConfigError when ``lm``'s logits are not ``lm_head(decoder(x))``: this route would skip the rest."""
     config = getattr(lm, "config", None)
     model_type = getattr(config, "model_type", type(lm).__name__)
@@ -63,7 +64,7 @@ class ResponseLogProbs(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, autocast: torch.dtype | None = None):
         super().__init__()
         refuse_logit_post_processing(lm)
-        self.lm = lm
+        self.lm: Any = lm  # an HF causal LM: get_decoder, get_output_embeddings
         self.autocast = autocast
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
@@ -89,7 +90,7 @@ class ResponseLogProbs(torch.nn.Module):
             head = self.lm.get_output_embeddings()
             size = chunk_tokens(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
             parts = [self._chunk(head, h, t, temperature, with_entropy)
-                     for h, t in zip(picked.split(size), targets.split(size))]
+                     for h, t in zip(picked.split(size), targets.split(size), strict=True)]
         shape = response_ids.shape
         logp = _scatter(shape, rows, cols, [p[0] for p in parts]) * keep
         entropy = _scatter(shape, rows, cols, [p[1] for p in parts]) * keep if with_entropy else None

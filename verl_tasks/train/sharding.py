@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -84,11 +85,11 @@ def params_on_meta() -> Iterator[None]:
         if param is not None and param.device.type != "meta":  # tied weights arrive on meta already
             module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    torch.nn.Module.register_parameter = on_meta
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]  # for this block only
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def fsdp_options(res: Resources, mesh: Any, device: torch.device, dtype: str, compute: str) -> dict[str, Any]:
@@ -165,7 +166,7 @@ def write_full_weights(model: torch.nn.Module, path: Path | None) -> None:
             out.close()
 
 
-def _header(params: list[tuple[str, torch.Tensor]]) -> bytes:
+def _header(params: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     """The safetensors header (length prefix + JSON, padded to 8 bytes) for tensors written in this order."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
