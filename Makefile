@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install browser demo test test-quick chaos bench airflow gpu-check lint clean
+.PHONY: install browser demo test test-quick chaos chaos-slow bench airflow gpu-check gpu-wheels lint clean smollm2
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,13 +42,31 @@ test-quick: install
 chaos: install
 	VT_CHAOS_RECORD=1 $(BIN)/python -m pytest -q -m chaos tests
 
+# The chaos tests `make test` leaves out (minutes each); CI runs them after it.
+chaos-slow: install
+	$(BIN)/python -m pytest -q -m "chaos and slow" tests
+
+# ruff over the whole tree, and mypy over the package.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy verl_tasks
+
 bench: install
 	$(BIN)/python benchmarks/run.py
 
-# On a machine with a CUDA GPU: vLLM vs HF tokens/s, and the tiny experiment on vLLM + cuda.
+# The GPU check on a machine with CUDA, in this checkout's venv (network needed for the install).
 gpu-check: install
-	$(BIN)/pip install -q -e '.[vllm]'
 	$(BIN)/python scripts/gpu_check.py
+
+# What the GPU check needs to import besides torch, transformers, accelerate and safetensors, for a GPU
+# machine without network (Python 3.12, its own torch): carried with the working tree, see README.
+GPU_PYTHON ?= 3.12
+gpu-wheels: install
+	rm -rf .gpu-wheels && mkdir -p .gpu-wheels
+	$(BIN)/pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-wheels \
+		pydantic==$$($(BIN)/python -c 'import pydantic; print(pydantic.VERSION)')
+	du -sh .gpu-wheels
 
 airflow: install
 	bash scripts/airflow_ui.sh

@@ -48,6 +48,11 @@ class Policy:
     folder: Path
     model: torch.nn.Module | None = None
 
+    @property
+    def device(self) -> str:
+        """Where the HF module computes, or "vllm" (its engine's own device)."""
+        return "vllm" if self.model is None else str(next(self.model.parameters()).device)
+
 
 @dataclass(frozen=True)
 class EngineOptions:

@@ -12,9 +12,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -68,6 +69,8 @@ def derive_seed(seed: int, epoch: int, phase: str, batch: int | None = None) -> 
 
 def set_determinism(config: ExperimentConfig) -> None:
     """Fixed thread count and deterministic kernels: a retry reproduces the same bytes."""
+    if torch.cuda.is_available():  # cuBLAS is deterministic only with this workspace, read at its first handle
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if torch.get_num_threads() != config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     deterministic_kernels()
@@ -177,7 +180,8 @@ def _policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]
     weights_sha = record.files[WEIGHTS].sha256
     if isinstance(ctx.store, LocalStore):
         folder = ctx.store.root / f"{record.unit}/.attempts/{record.attempt}"
-        if all((folder / name).is_file() and (folder / name).stat().st_size == e.size for name, e in record.files.items()):
+        if all((folder / name).is_file() and (folder / name).stat().st_size == e.size
+               for name, e in record.files.items()):
             _verify_weights(folder / WEIGHTS, weights_sha, record.unit)
             return folder, record
         raise IntegrityError(record.unit, ["snapshot files missing or truncated"])
@@ -189,7 +193,8 @@ def _policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]
         return (folder / ".complete").exists() and all((folder / name).is_file() for name in record.files)
 
     if not cached():
-        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR.mkdir(parents=True, exist_ok=True) or CACHE_DIR))
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
         for name in record.files:
             download(ctx.store, record, name, tmp / name)
         (tmp / ".complete").touch()

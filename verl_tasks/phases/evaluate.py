@@ -58,7 +58,7 @@ def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> 
             "predictions.jsonl",
             [{"id": r["id"], "response": t, "score": s} for r, t, s in zip(rows, texts, result.scores, strict=True)],
         )
-        return {"metrics": metrics}
+        return {"metrics": metrics, "device": policy.device}
 
     return run_unit(ctx, "evaluate", unit, epoch, produce)
 

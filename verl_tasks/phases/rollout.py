@@ -60,7 +60,7 @@ def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
             )
         writer.write_jsonl("samples.jsonl", samples)
         finished = sum(s["finished"] for s in samples)
-        return {"samples": len(samples), "finished_fraction": finished / max(1, len(samples)),
+        return {"samples": len(samples), "finished_fraction": finished / max(1, len(samples)), "device": policy.device,
                 "engine": cfg.rollout.engine}
 
     return run_unit(ctx, "rollout", ctx.layout.rollout(epoch, batch), epoch, produce, batch=batch)

@@ -12,6 +12,7 @@ The trained weights and AdamW state are in ``model.train_dtype``, the forward co
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,8 @@ import torch
 from verl_tasks.algos import lr_at, schedule_of
 from verl_tasks.models.checkpoint import load_optimizer, save_optimizer, save_policy
 from verl_tasks.models.policy_cache import WarmOptimizer
-from verl_tasks.phases.common import (PhaseContext, committed, keep_policy, load_version, require, run_unit,
-                                     take_version)
-from verl_tasks.phases.update_steps import (UpdateInputs, epoch_inputs, frozen_logprobs, policy_module,
-                                           train_steps)
+from verl_tasks.phases.common import PhaseContext, committed, keep_policy, load_version, require, run_unit, take_version
+from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, frozen_logprobs, policy_module, train_steps
 from verl_tasks.phases.validate import epoch_batches
 from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, optimizer_state_id
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
@@ -36,7 +35,8 @@ def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
     out = []
     for b in epoch_batches(ctx, epoch):
         samples = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, b), "rollout"), "samples.jsonl")
-        scores = {r["sample_id"]: r["score"] for r in read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")}
+        scored = read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")
+        scores = {r["sample_id"]: r["score"] for r in scored}
         for s in samples:
             out.append({**s, "score": scores[s["sample_id"]]})
     return out
@@ -77,7 +77,7 @@ def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str 
     if warm is not None and state_id is not None and warm.state_id == state_id:
         groups = warm.optimizer.param_groups
         held = [p for group in groups for p in group["params"]]
-        if (len(held) == len(params) and all(a is b for a, b in zip(held, params))
+        if (len(held) == len(params) and all(a is b for a, b in zip(held, params, strict=True))
                 and all(tuple(g["betas"]) == tuple(algo.betas) and g["weight_decay"] == algo.weight_decay
                         for g in groups)):
             OPTIMIZERS["warm"] += 1
@@ -95,7 +95,8 @@ def _train_here(
 ) -> tuple[dict[str, float], int, dict[str, Any], dict[str, Any]]:
     """One process, no torch.distributed (one ddp worker): train, write ``out/`` (HF folder + optimizer state).
 
-    Returns (metric sums, steps, optimizer hyperparameters, the trained model and optimizer to keep warm).
+    Returns (metric sums, steps, optimizer hyperparameters, where and how long it trained and wrote,
+    the trained model and optimizer to keep warm).
     """
     cfg, algo = ctx.config, ctx.config.algorithm
     version, with_kl = planned["policy_version"], algo.kl_type.value != "none"
@@ -107,16 +108,22 @@ def _train_here(
     policy = policy_module(model, cfg.model)
     ref = ResponseLogProbs(load_version(ctx, 0)[0]) if with_kl else None  # frozen, in model.dtype
     micro = cfg.phase_resources("update").micro_batch_size
-    inputs = epoch_inputs(samples, tokenizer.pad_token_id, algo.norm_adv_by_std).to(model.device)
+    device = next(model.parameters()).device
+    inputs = epoch_inputs(samples, tokenizer.pad_token_id, algo.norm_adv_by_std).to(device)
     inputs = fill_frozen_logprobs(inputs, policy, ref, cfg.rollout.temperature, single_step, micro)
     optimizer = resumed_optimizer(model, algo, folder, state_id, warm)
     on_step = lambda step: ctx.hook("update_step", epoch=epoch, step=step)  # noqa: E731
+    started = time.monotonic()
     totals, steps = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, planned["update_seed"],
                                 on_step, first_step, micro_batch_size=micro)
+    trained_at = time.monotonic()
     model.eval()
     save_policy(model, tokenizer, out)
     hyper = save_optimizer(optimizer, model, out)
-    return totals, steps, hyper, {"model": model, "tokenizer": tokenizer, "folder": folder, "optimizer": optimizer}
+    ran = {"device": str(device), "train_s": round(trained_at - started, 3),
+           "write_s": round(time.monotonic() - trained_at, 3)}
+    return totals, steps, hyper, ran, {"model": model, "tokenizer": tokenizer, "folder": folder,
+                                       "optimizer": optimizer}
 
 
 def _train_on_workers(
@@ -129,7 +136,7 @@ def _train_on_workers(
                               resume_optimizer=resume_optimizer)
     for step in range(1, result["steps"] + 1):
         ctx.hook("update_step", epoch=epoch, step=step)
-    return result["totals"], result["steps"], result["optimizer"]
+    return result["totals"], result["steps"], result["optimizer"], result["ran"]
 
 
 def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
@@ -157,12 +164,12 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         # Only state this snapshot lists: a cached folder keyed by the weights may hold another's (a child's base).
         state_id = optimizer_state_id(record)
         if res.distributed:
-            totals, steps, hyper = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step,
-                                                     state_id is not None, writer)
+            totals, steps, hyper, ran = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step,
+                                                          state_id is not None, writer)
         else:
             with writer.folder() as out:  # written in place: the weights are written once per epoch
-                totals, steps, hyper, kept = _train_here(ctx, epoch, planned, samples, single_step, first_step,
-                                                         state_id, out)
+                totals, steps, hyper, ran, kept = _train_here(ctx, epoch, planned, samples, single_step,
+                                                              first_step, state_id, out)
             trained.update(kept, attempt=writer.attempt)
         lrs = [lr_at(step, **schedule_of(algo)) for step in range(first_step, first_step + steps)]
         metrics = {**_epoch_metrics(totals, steps, samples), "actor/lr": lrs[-1]}
@@ -171,8 +178,9 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
                                           "lr_schedule": {**schedule_of(algo), "first_step": first_step, "lrs": lrs}})
         # Not pinned (a run may resume on another worker count or strategy); results agree within float
         # tolerance across them and are byte-identical for one count and strategy, so both are recorded.
+        # ``ran``: the device (rank 0's) and the seconds spent training and writing weights and optimizer state.
         return {"metrics": metrics, "policy_version": planned["policy_version"] + 1, "update_workers": res.workers,
-                "update_strategy": res.strategy.value}
+                "update_strategy": res.strategy.value, "ran": ran}
 
     committed_record = run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
     # The trained model is policy epoch + 1: the next epoch's units need not load it. Not when another

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,18 @@ def train_loop(job: dict[str, Any]) -> None:
         process_hooks.fire("update_worker_step", experiment=config.experiment, epoch=job["epoch"], rank=rank,
                            step=step)
 
+    started = time.monotonic()
     totals, steps = train_steps(model, optimizer, inputs, algo, temperature, job["seed"], on_step, job["first_step"],
                                 micro_batch_size=micro, rank=rank, world=world)
     totals = sum_over_workers(totals, device)
+    trained_at = time.monotonic()
     writer = UnitWriter(ctx.store, job["unit"], job["attempt"])
     hyper = save_outputs(model, core, optimizer, tokenizer, folder, writer, rank, world)
     files = gather_files(writer, world)
     if rank == 0:
-        job["results"].put({"files": files, "totals": totals, "steps": steps, "optimizer": hyper})
+        ran = {"device": str(device), "train_s": round(trained_at - started, 3),
+               "write_s": round(time.monotonic() - trained_at, 3)}
+        job["results"].put({"files": files, "totals": totals, "steps": steps, "optimizer": hyper, "ran": ran})
 
 
 def build(folder: Path, config: Any, device: torch.device, world: int, *,
@@ -119,14 +124,15 @@ def sharded_logprobs(model: torch.nn.Module, inputs: UpdateInputs, temperature: 
     import torch.distributed as dist
 
     share = frozen_logprobs(model, inputs, temperature, micro_batch_size, rank, world)
-    if hasattr(model, "reshard"):  # fsdp2 keeps the root's parameters gathered after a forward: shard them again
-        model.reshard()
+    reshard = getattr(model, "reshard", None)
+    if reshard is not None:  # fsdp2 keeps the root's parameters gathered after a forward: shard them again
+        reshard()
     counts = [len(chunk) for chunk in torch.tensor_split(torch.arange(len(inputs)), world)]
     padded = share.new_zeros((counts[0], share.size(1)))
     padded[: len(share)] = share
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
-    return torch.cat([part[:count] for part, count in zip(gathered, counts)])
+    return torch.cat([part[:count] for part, count in zip(gathered, counts, strict=True)])
 
 
 def sum_over_workers(totals: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -136,7 +142,7 @@ def sum_over_workers(totals: dict[str, float], device: torch.device) -> dict[str
     keys = list(totals)
     sums = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(sums)
-    return dict(zip(keys, sums.tolist()))
+    return dict(zip(keys, sums.tolist(), strict=True))
 
 
 def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
@@ -155,7 +161,7 @@ def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch
         else:
             sharding.write_full_weights(core, out / WEIGHTS if rank == 0 else None)
             rows = save_optimizer_shard(optimizer, core, out / optimizer_shard_name(rank))
-            every = [None] * world
+            every: list[Any] = [None] * world
             dist.all_gather_object(every, rows)
             if rank == 0:
                 copy_policy_files(folder, out)
