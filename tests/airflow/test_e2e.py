@@ -29,10 +29,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -114,7 +115,7 @@ POLL_S = 2.0  # the api-server is one process: the test's polling must leave it 
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _ts(value: str | None) -> datetime | None:
@@ -130,7 +131,8 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
 
     user = pg_user()
     if user is None:
-        pytest.skip("no PostgreSQL with trust auth at 127.0.0.1:5432")
+        pytest.fail("no PostgreSQL with trust auth at 127.0.0.1:5432: this test needs the real database; start it "
+                    "(`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`) and run again")
     with ExitStack() as stop:
         db = PgDatabase.create(user)
         stop.callback(db.drop)
@@ -252,9 +254,9 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
                 print(f"warm-up {path}: {err}")
         ready_s = time.monotonic() - started
         print(f"\nairflow standalone ready and DAG parsed in {ready_s:.1f}s")
-        yield {"ready_s": ready_s, "api": api, "airflow": airflow, "head": head, "store_uri": store_uri, "endpoint": moto_endpoint,
-               "reference": reference, "ref_store": ref_store, "tmp": tmp_path, "yaml": yaml_path, "db": db,
-               "faults": plan_dir}
+        yield {"ready_s": ready_s, "api": api, "airflow": airflow, "head": head, "store_uri": store_uri,
+               "endpoint": moto_endpoint, "reference": reference, "ref_store": ref_store, "tmp": tmp_path,
+               "yaml": yaml_path, "db": db, "faults": plan_dir}
 
 
 def reference_result(stack: dict) -> dict:
