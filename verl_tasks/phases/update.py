@@ -19,7 +19,16 @@ from typing import Any
 import torch
 
 from verl_tasks.algos import lr_at, schedule_of
-from verl_tasks.models.checkpoint import load_optimizer, save_optimizer, save_policy
+from verl_tasks.config import Resources, UpdateStrategy
+from verl_tasks.models.checkpoint import (
+    OPTIMIZER,
+    OPTIMIZER_INDEX,
+    WEIGHTS,
+    load_optimizer,
+    optimizer_shard_name,
+    save_optimizer,
+    save_policy,
+)
 from verl_tasks.models.policy_cache import WarmOptimizer
 from verl_tasks.phases.common import PhaseContext, committed, keep_policy, load_version, require, run_unit, take_version
 from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, frozen_logprobs, policy_module, train_steps
@@ -92,7 +101,7 @@ def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str 
 def _train_here(
     ctx: PhaseContext, epoch: int, planned: dict[str, Any], samples: list[dict[str, Any]], single_step: bool,
     first_step: int, state_id: str | None, out: Path,
-) -> tuple[dict[str, float], int, dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, float], int, dict[str, Any], dict[str, Any], dict[str, Any]]:
     """One process, no torch.distributed (one ddp worker): train, write ``out/`` (HF folder + optimizer state).
 
     Returns (metric sums, steps, optimizer hyperparameters, where and how long it trained and wrote,
@@ -120,7 +129,7 @@ def _train_here(
     model.eval()
     save_policy(model, tokenizer, out)
     hyper = save_optimizer(optimizer, model, out)
-    ran = {"device": str(device), "train_s": round(trained_at - started, 3),
+    ran: dict[str, Any] = {"device": str(device), "train_s": round(trained_at - started, 3),
            "write_s": round(time.monotonic() - trained_at, 3)}
     return totals, steps, hyper, ran, {"model": model, "tokenizer": tokenizer, "folder": folder,
                                        "optimizer": optimizer}
@@ -129,7 +138,7 @@ def _train_here(
 def _train_on_workers(
     ctx: PhaseContext, epoch: int, planned: dict[str, Any], samples: list[dict[str, Any]], single_step: bool,
     first_step: int, resume_optimizer: bool, writer: UnitWriter,
-) -> tuple[dict[str, float], int, dict[str, Any]]:
+) -> tuple[dict[str, float], int, dict[str, Any], dict[str, Any]]:
     """Ray Train workers (``verl_tasks.train``) write into the attempt; the step hook runs here once they are done."""
     result = train_on_workers(ctx, epoch, writer, policy_version=planned["policy_version"], samples=samples,
                               first_step=first_step, seed=planned["update_seed"], single_step=single_step,
@@ -157,6 +166,7 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
         samples = load_epoch_samples(ctx, epoch)
         res = cfg.phase_resources("update")
+        writer.expect(*_update_files(res))
         check_not_pruned(ctx.store, ctx.layout, planned["policy_version"])  # here, not in a worker: not retried
         record = require(ctx, ctx.layout.snapshot(planned["policy_version"]), "snapshot")
         first_step = read_json(ctx.store, record, TRAINER_STATE).get("step", 0) if TRAINER_STATE in record.files else 0
@@ -189,6 +199,14 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         keep_policy(ctx, committed_record, trained["model"], trained["tokenizer"], trained["folder"],
                     trained["optimizer"])
     return committed_record
+
+
+def _update_files(res: Resources) -> list[str]:
+    """The weights and optimizer files every update writes: one lost from a staging folder before it was
+    listed (a worker's shard) would otherwise leave a manifest without it, so commit checks each is listed."""
+    if res.strategy == UpdateStrategy.fsdp2:
+        return [WEIGHTS, OPTIMIZER_INDEX, *(optimizer_shard_name(rank) for rank in range(res.workers))]
+    return [WEIGHTS, OPTIMIZER_INDEX, OPTIMIZER]
 
 
 def _epoch_metrics(totals: dict[str, float], steps: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
