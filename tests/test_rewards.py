@@ -53,6 +53,8 @@ def test_unloadable_reward_function_is_a_config_error():
 
 
 def test_reward_function_sees_no_secrets_and_runs_in_a_temporary_folder(tmp_path, monkeypatch):
+    """With ``rewards.isolation: process`` (the function can write its report into the test's folder;
+    the namespaced default is probed in tests/test_reward_sandbox.py, where no such folder exists)."""
     secret = "vt-reward-secret-5e1d"
     names = {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "RAY_AUTH_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
              "AIRFLOW_CONN_S3", "MY_SERVICE_PASSWORD", "OPENAI_API_KEY", "DB_SECRET"}
@@ -61,7 +63,7 @@ def test_reward_function_sees_no_secrets_and_runs_in_a_temporary_folder(tmp_path
     monkeypatch.setenv("VT_TEST_PLAIN_SETTING", "visible")
     report = tmp_path / "report.json"
     sample = _requests("1")[0] | {"extra_info": {"report": str(report)}}
-    with RewardSandbox(f"{BAD}:environment_report", timeout_s=10.0, memory_limit_mb=1024) as box:
+    with RewardSandbox(f"{BAD}:environment_report", timeout_s=10.0, memory_limit_mb=1024, isolation="process") as box:
         workdir = box.workdir
         assert box.score([sample], default=-1.0).scores == [1.0]
     seen = json.loads(report.read_text())

@@ -82,6 +82,9 @@ def run(
         cfg = _load(config, store, experiment, epochs)
         if backend not in ("inline", "ray"):
             raise typer.BadParameter(f"--backend {backend!r}: use inline or ray")
+        from verl_tasks.rewards.sandbox import preflight
+
+        preflight(cfg.rewards)  # a reward function that cannot load, or no sandbox here: before any compute
         join = None
         if backend == "ray":
             from verl_tasks.execution.cli_cluster import connect

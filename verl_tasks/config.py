@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib
-import inspect
 import json
 import re
+from dataclasses import dataclass
 from datetime import date
 from enum import Enum
 from pathlib import Path
@@ -32,7 +31,8 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # those experiments (trained without them) still resume.
 ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps": 0,
                     "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1,
-                    "rollout.enforce_eager": None, "model.train_dtype": "float32"}
+                    "rollout.enforce_eager": None, "model.train_dtype": "float32", "rewards.cpu_limit_s": None,
+                    "rewards.max_processes": 64}
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
@@ -50,33 +50,21 @@ REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 def check_reward_function(path: str) -> None:
-    """Import ``module:function`` and check it can be called as verl's ``compute_score``; raise ValueError.
+    """Check ``module:function`` names a function callable as verl's ``compute_score``; raise ValueError.
 
-    Done when the config is loaded, so a typo fails before any rollout is computed
-    (the sandbox imports it again in its own process to score).
+    Done when the config is loaded, so a typo fails before any rollout is computed, but without
+    importing the module: every process that parses a config (the DAG processor, the api-server,
+    the workers) holds credentials. The module is found and its source read
+    (:func:`verl_tasks.rewards.source_check.check_statically`); what only running it can tell is checked
+    inside the reward sandbox when it starts (``verl_tasks.rewards.sandbox.preflight``).
     """
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"rewards.function {path!r} must be an import path 'package.module:function'")
+    from verl_tasks.rewards.checks import RewardFunctionError
+    from verl_tasks.rewards.source_check import check_statically
+
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except ImportError as err:
-        raise ValueError(f"rewards.function {path!r}: module {module_name!r} cannot be imported ({err}); "
-                         f"check the name and that it is installed where the workers run") from None
-    except AttributeError:
-        raise ValueError(f"rewards.function {path!r}: module {module_name!r} has no attribute {attr!r}") from None
-    except Exception as err:  # noqa: BLE001 - the user's module failed while importing: say so, in one line
-        raise ValueError(f"rewards.function {path!r}: importing {module_name!r} raised "
-                         f"{type(err).__name__}: {err}") from None
-    if not callable(fn):
-        raise ValueError(f"rewards.function {path!r} is a {type(fn).__name__}, not a function")
-    try:
-        inspect.signature(fn).bind(*REWARD_ARGS)
-    except TypeError as err:
-        raise ValueError(f"rewards.function {path!r} cannot be called as fn({', '.join(REWARD_ARGS)}) ({err}); "
-                         f"give it verl's compute_score signature") from None
-    except ValueError:  # no signature available (a builtin): it is called and checked per sample
-        pass
+        check_statically(path)
+    except RewardFunctionError as err:
+        raise ValueError(f"rewards.function {path!r}: {err}") from None
 
 
 class Strict(BaseModel):
@@ -229,9 +217,20 @@ class RolloutConfig(Strict):
 
 
 class RewardsConfig(Strict):
+    """The reward function and the sandbox that runs it (``verl_tasks.rewards.sandbox``)."""
+
     function: str = "verl_tasks.rewards.builtin:exact_answer"
     timeout_s: float = Field(5.0, gt=0, description="per-sample time limit")
     memory_limit_mb: int = Field(2048, gt=0, description="address-space limit of the sandbox")
+    cpu_limit_s: float | None = Field(
+        None, gt=0, description="CPU seconds one sample may use in the sandbox, all threads together (whole "
+                                "seconds, rounded up); default: timeout_s")
+    max_processes: int = Field(64, ge=1, description="processes and threads the reward function may run at once")
+    isolation: Literal["namespaces", "process"] = Field(
+        "namespaces", description="namespaces: bubblewrap (own network, PID, mount and user namespaces; refused "
+                                  "where they cannot be made); process: a plain child process that sees this "
+                                  "machine's files and network, for machines without namespaces (logged as a "
+                                  "warning). Not hashed")
     default_score: float = 0.0
     max_failure_fraction: float = Field(0.1, ge=0, le=1)
     min_score: float = -1e6
@@ -467,6 +466,7 @@ class ExperimentConfig(Strict):
         """The training-relevant settings, as plain JSON values."""
         dumped = self.model_dump(mode="json")
         dumped["model"].pop("device")  # placement, like resources: results agree within tolerance (ADR 0002)
+        dumped["rewards"].pop("isolation")  # how the machine fences the reward function, not what it computes
         for dotted, default in ADDED_AT_DEFAULT.items():
             section, key = dotted.split(".")
             if dumped[section].get(key) == default:

@@ -161,7 +161,9 @@ def test_06_reward_function_raises_hangs_and_crashes(reference, tmp_path, monkey
     monkeypatch.setenv("VT_CHAOS_REWARD_DIR", str(flags))
     monkeypatch.setenv("VT_CHAOS_REWARD_OUTAGE", str(outage_over))
     ctx = make_context(util.config(f"file://{tmp_path}/store", **{
-        "rewards.function": "tests.reward_fixtures:chaos_exact", "rewards.timeout_s": 2, **STOPS_AT_ONCE}))
+        "rewards.function": "tests.reward_fixtures:chaos_exact", "rewards.timeout_s": 2, **STOPS_AT_ONCE,
+        # The fault injection keeps its flags in this test's folder, which a namespaced sandbox cannot see.
+        "rewards.isolation": "process"}))
     with pytest.raises(RewardFailureRate, match="could not be scored"):
         train(ctx, util.EPOCHS)
     assert read_marker(ctx.store, ctx.layout.score(0, 0)) is None

@@ -107,6 +107,7 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         from verl_tasks.execution.lineage import start_experiment
         from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
+        from verl_tasks.rewards.sandbox import preflight
         from verl_tasks.status import epoch_done
 
         params = dict(context.get("params") or {})
@@ -116,6 +117,7 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         halted = read_safe_mode(store, Layout(cfg.experiment))
         if halted is not None:
             raise SafeMode(halted_message(cfg.experiment, halted))
+        preflight(cfg.rewards)  # the reward function imports in its sandbox here, before any compute
         scheduled = runconfig.run_type_of(context.get("dag_run")) in runconfig.SCHEDULED_RUN_TYPES
         mode = params.get("resume") or "latest"
         parent = params.get("parent") or runconfig.read_yaml(self.config_path)["experiment"]

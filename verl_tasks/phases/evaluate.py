@@ -13,7 +13,7 @@ from verl_tasks.models.engines import SamplingSpec, engine_options, get_engine
 from verl_tasks.phases.common import PhaseContext, derive_seed, run_unit, sampling_policy
 from verl_tasks.phases.prepare import eval_rows
 from verl_tasks.phases.snapshot import retain_after_evaluate
-from verl_tasks.rewards.sandbox import warm_sandbox
+from verl_tasks.rewards.sandbox import scoring_sandbox
 from verl_tasks.store.units import CommitRecord, UnitWriter
 
 CHUNK = 256
@@ -43,7 +43,7 @@ def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> 
              "extra_info": r["extra_info"]}
             for r, t in zip(rows, texts, strict=True)
         ]
-        with warm_sandbox(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.memory_limit_mb) as sandbox:
+        with scoring_sandbox(cfg.rewards) as sandbox:
             result = sandbox.score(requests, cfg.rewards.default_score)
         accuracy = sum(s >= 1.0 for s in result.scores) / max(1, len(rows))
         metrics = {

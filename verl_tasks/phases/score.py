@@ -6,7 +6,7 @@ from typing import Any
 from verl_tasks.errors import RewardFailureRate
 from verl_tasks.phases.common import PhaseContext, require, run_unit
 from verl_tasks.phases.prepare import train_rows
-from verl_tasks.rewards.sandbox import warm_sandbox
+from verl_tasks.rewards.sandbox import scoring_sandbox
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_jsonl
 
 
@@ -27,7 +27,7 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
             }
             for s in samples
         ]
-        with warm_sandbox(cfg.function, cfg.timeout_s, cfg.memory_limit_mb) as sandbox:
+        with scoring_sandbox(cfg) as sandbox:
             result = sandbox.score(requests, cfg.default_score)
         fraction = len(result.failures) / max(1, len(samples))
         if fraction > cfg.max_failure_fraction:

@@ -1,0 +1,249 @@
+"""How the reward worker is fenced off: bubblewrap namespaces, and a pids cgroup where one can be made.
+
+Why bubblewrap (Debian's ``bubblewrap``, the ``bwrap`` binary Flatpak uses) rather than
+``unshare`` plus a uid switch: one unprivileged exec builds the whole boundary in the right
+order (user, mount, PID, network, IPC, UTS and cgroup namespaces; a root that is an empty
+tmpfs holding only what is bound into it, read-only; a fresh ``/proc`` of the new PID
+namespace; a private, size-limited ``/tmp``; no capabilities, ``no_new_privs``, a new session,
+no nested user namespaces; the sandbox's PID 1 killed with its parent). Doing that with
+``unshare`` means writing the mount and ``pivot_root`` dance ourselves, and bubblewrap is one
+Debian package (``make install`` installs it). It costs little: see the start-up figures in
+:mod:`verl_tasks.rewards.sandbox`.
+
+Which uid: the worker runs as uid 65534 inside its user namespace, with no capabilities.
+bubblewrap maps that uid to the caller's own uid outside (it cannot map another one when it is
+not installed setuid), so under root (tests, CI) the worker's processes are uid 0 as the kernel
+counts them outside, though they can reach nothing: the store, the credentials and other
+processes are not in their mount, PID and network namespaces. Two consequences:
+
+- ``RLIMIT_NPROC`` is not enforced for uid 0. The process limit is therefore also a pids cgroup
+  (:class:`PidsCgroup`) when this process may create one (v2, or v1's ``pids`` hierarchy);
+  ``RLIMIT_NPROC`` covers the non-root case. Without either, the limit is not enforced and a
+  warning says so.
+- Files the worker reads (the interpreter, the venv, the code) are read through bind mounts the
+  caller made, so what the caller can read, the worker can read; nothing needs to be opened up.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SANDBOX_UID = 65534  # "nobody"
+# Read-only system folders; the interpreter's own prefixes and the code are added per sandbox.
+SYSTEM_DIRS = ("/usr",)
+SYSTEM_TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # symlinks into /usr when merged
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
+ISOLATING_FLAGS = ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+                   "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "reward-sandbox")
+
+
+class IsolationUnavailable(RuntimeError):
+    """This machine cannot build the namespaces; the message says why (from bubblewrap)."""
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def _system_binds() -> list[str]:
+    args: list[str] = []
+    for folder in SYSTEM_DIRS:
+        args += ["--ro-bind", folder, folder]
+    for top in SYSTEM_TOP:
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for path in SYSTEM_FILES:
+        args += ["--ro-bind-try", path, path]
+    return args
+
+
+def outermost(paths: list[str]) -> list[str]:
+    """``paths`` (absolute) without those inside another one, or inside the system folders; sorted."""
+    kept: list[str] = []
+    for path in sorted({os.path.normpath(p) for p in paths}):
+        inside = [p for p in (*kept, *SYSTEM_DIRS) if path == p or path.startswith(p.rstrip("/") + "/")]
+        if not inside:
+            kept.append(path)
+    return kept
+
+
+def bwrap_command(bwrap: str, read_only: list[str], tmp_bytes: int, info_fd: int, command: list[str]) -> list[str]:
+    """The bubblewrap command line that runs ``command`` in the sandbox.
+
+    Args:
+        read_only: absolute files and folders shown read-only at the same path (the interpreter's
+            prefixes, the venv, the code); nothing else of the machine's file system is visible.
+        tmp_bytes: size of the private ``/tmp`` (a tmpfs, also the working directory and ``HOME``) and of
+            ``/dev/shm``; every other folder is read-only, the empty root included.
+        info_fd: bubblewrap writes ``{"child-pid": N, ...}`` there: N, the sandbox's PID 1 as seen
+            from here, is what :meth:`RewardSandbox.close` kills to end everything inside.
+    """
+    args = [bwrap, *ISOLATING_FLAGS, *_system_binds()]
+    for path in outermost(read_only):
+        args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
+             "--size", str(tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--remount-ro", "/",
+             "--chdir", "/tmp", "--info-fd", str(info_fd), "--", *command]
+    return args
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(bwrap: str) -> str | None:
+    """None when ``bwrap`` can build the sandbox's namespaces here, else bubblewrap's reason."""
+    true = "/usr/bin/true" if os.path.exists("/usr/bin/true") else sys.executable
+    command = [bwrap, *ISOLATING_FLAGS, *_system_binds(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+               "--", true]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{type(err).__name__}: {err}"
+    if done.returncode != 0:
+        return (done.stderr or done.stdout).strip()[-500:] or f"bwrap exited with {done.returncode}"
+    return None
+
+
+def check_namespaces() -> str:
+    """The bubblewrap binary, after checking (once per process) that it can isolate here.
+
+    Raises:
+        IsolationUnavailable: bubblewrap is not installed, or the kernel or the container refuses
+            the namespaces (no user namespaces, a seccomp profile, a read-only ``/proc``...).
+    """
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise IsolationUnavailable("bubblewrap (bwrap) is not installed (Debian: apt-get install bubblewrap)")
+    reason = _probe(bwrap)
+    if reason is not None:
+        raise IsolationUnavailable(f"bubblewrap cannot create the namespaces here: {reason}")
+    return bwrap
+
+
+# --- the pids cgroup -----------------------------------------------------------------------------
+
+
+def _pids_hierarchy() -> Path | None:
+    """This process's cgroup folder in a hierarchy with the pids controller, or None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):  # cgroup v1
+            return Path("/sys/fs/cgroup/pids") / path.lstrip("/")
+        if controllers == "" and "pids" in _read("/sys/fs/cgroup/cgroup.controllers").split():  # v2
+            return Path("/sys/fs/cgroup") / path.lstrip("/")
+    return None
+
+
+def _read(path: str | Path) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+@dataclass
+class PidsCgroup:
+    """A cgroup of this process's pids hierarchy that caps the sandbox's tasks (processes and threads).
+
+    The child joins it before it execs (:meth:`join`), so everything it starts is inside, even a
+    process that left the session and the process group: :meth:`kill` ends them all, and
+    :meth:`remove` deletes the cgroup once they are gone.
+    """
+
+    path: Path
+
+    @classmethod
+    def create(cls, max_tasks: int) -> PidsCgroup | None:
+        """A new cgroup with ``pids.max = max_tasks``; None where this process may not make one."""
+        parent = _pids_hierarchy()
+        if parent is None or not os.access(parent, os.W_OK):
+            return None
+        _remove_stale(parent)
+        path = parent / f"vt-reward-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            path.mkdir()
+        except OSError:
+            return None
+        try:
+            (path / "pids.max").write_text(str(max_tasks))
+        except OSError:
+            path.rmdir()
+            return None
+        return cls(path)
+
+    def join(self) -> None:
+        """Move the calling process into the cgroup (called in the child between fork and exec, where
+        an exception would only say "preexec_fn failed": a refused move leaves the child outside)."""
+        try:
+            with open(self.path / "cgroup.procs", "w") as handle:
+                handle.write("0")
+        except OSError:
+            pass
+
+    def pids(self) -> list[int]:
+        return [int(pid) for pid in _read(self.path / "cgroup.procs").split()]
+
+    def kill(self) -> None:
+        """SIGKILL every process in the cgroup (``cgroup.kill`` on v2, else each pid until none is left)."""
+        if (self.path / "cgroup.kill").exists():
+            try:
+                (self.path / "cgroup.kill").write_text("1")
+                return
+            except OSError:
+                pass
+        for _ in range(50):  # a process may fork while we kill: go round until the cgroup is empty
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        for _ in range(100):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # busy: killed processes not reaped yet
+                time.sleep(0.01)
+        log.warning("could not remove the reward sandbox's cgroup %s", self.path)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove empty ``vt-reward-<pid>-*`` cgroups left by processes that died without closing them."""
+    try:
+        entries = list(parent.glob("vt-reward-*"))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            owner = int(entry.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if owner != os.getpid() and not os.path.exists(f"/proc/{owner}"):
+            try:
+                entry.rmdir()
+            except OSError:
+                pass
+
+
+__all__ = ["IsolationUnavailable", "PidsCgroup", "SANDBOX_UID", "bwrap_command", "check_namespaces", "outermost"]
