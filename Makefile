@@ -59,12 +59,20 @@ lint: install
 bench: install
 	$(BIN)/python benchmarks/run.py
 
-# The GPU check on a machine with CUDA, in this checkout's venv (network needed for the install).
-gpu-check: install
-	$(BIN)/python scripts/gpu_check.py
+# docs/configuration.md, generated from verl_tasks/config.py (tests/test_docs.py fails when it is stale).
+docs: $(STAMP)
+	$(BIN)/python scripts/config_reference.py
+
+# The GPU check on a machine with CUDA and network: a venv over the machine's own torch, transformers,
+# accelerate and safetensors (system site-packages; a CUDA torch is never installed here), plus pydantic.
+GPU_VENV := .venv-gpu
+gpu-check:
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q pydantic
+	$(GPU_VENV)/bin/python scripts/gpu_check.py --out gpu-check.json
 
 # What the GPU check needs to import besides torch, transformers, accelerate and safetensors, for a GPU
-# machine without network (Python 3.12, its own torch): carried with the working tree, see README.
+# machine without network (Python 3.12, its own torch): carried with the working tree, see docs/gpu.md.
 GPU_PYTHON ?= 3.12
 gpu-wheels: install
 	rm -rf .gpu-wheels && mkdir -p .gpu-wheels

@@ -1,4 +1,4 @@
-"""Render a status dict as a Markdown learning curve (for the README, the demo and reviews)."""
+"""Render a status dict as a Markdown learning curve (for `--report`, the demo and BENCHMARKS.md)."""
 from __future__ import annotations
 
 from typing import Any
