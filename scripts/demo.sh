@@ -13,6 +13,20 @@ EXPERIMENT="${DEMO_EXPERIMENT:-tiny-arith}"
 EPOCHS="${DEMO_EPOCHS:-8}"
 export VERL_TASKS_BACKEND="${VERL_TASKS_BACKEND:-ray-driver}"  # "ray": one Ray job per task (deferrable)
 
+STORE="file://$VERL_TASKS_STORE_ROOT/.store"
+show_curve() {
+  COLUMNS="${COLUMNS:-140}" "$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --curve \
+    --experiment "$EXPERIMENT" --store "$STORE" --epochs "$EPOCHS"
+}
+# A second `make demo`: nothing to compute; say so and show the curve (no Ray head, no Airflow run).
+if "$PY" -m verl_tasks.cli status dags/experiments/tiny_arith.yaml --experiment "$EXPERIMENT" --store "$STORE" \
+     --epochs "$EPOCHS" --json 2>/dev/null | "$PY" -c "import json, sys; sys.exit(0 if json.load(sys.stdin)['finished'] else 1)"; then
+  echo "$EXPERIMENT is already trained ($EPOCHS epochs committed in $STORE); nothing recomputed." \
+       "To train again: DEMO_EXPERIMENT=another-name make demo, or remove $VERL_TASKS_STORE_ROOT/.store"
+  show_curve
+  exit 0
+fi
+
 AF_PID=""
 WATCH_PID=""
 cleanup() {
@@ -28,7 +42,6 @@ eval "$("$PY" -m verl_tasks.execution.local_head env --state-dir "$STATE")"   # 
 airflow db migrate >"$AIRFLOW_HOME/migrate.log" 2>&1 || { tail -20 "$AIRFLOW_HOME/migrate.log"; exit 1; }
 airflow pools set verl_gpu 2 "GPU-bound phases (rollout, update)" >/dev/null
 started=$(date +%s)
-STORE="file://$VERL_TASKS_STORE_ROOT/.store"
 "$REPO/.venv/bin/verl-tasks" watch dags/experiments/tiny_arith.yaml --experiment "$EXPERIMENT" --store "$STORE" &
 WATCH_PID=$!
 airflow dags test tiny_arith -c "{\"experiment\": \"$EXPERIMENT\", \"epochs\": $EPOCHS}" >"$AIRFLOW_HOME/demo-dags-test.log" 2>&1 &
@@ -44,4 +57,4 @@ grep -q "state=success" "$AIRFLOW_HOME/demo-dags-test.log" || { echo "run did no
 echo "DAG run tiny_arith succeeded in $(( $(date +%s) - started ))s (phases ran on Ray worker pools, backend $VERL_TASKS_BACKEND; log: $AIRFLOW_HOME/demo-dags-test.log)"
 "$PY" benchmarks/demo_split.py --db "$AIRFLOW_HOME/airflow.db" --log "$AIRFLOW_HOME/demo-dags-test.log" || true
 kill "$WATCH_PID" 2>/dev/null; WATCH_PID=""
-COLUMNS="${COLUMNS:-140}" "$REPO/.venv/bin/verl-tasks" status dags/experiments/tiny_arith.yaml --curve --experiment "$EXPERIMENT" --store "$STORE"
+show_curve

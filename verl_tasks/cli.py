@@ -25,6 +25,11 @@ console = Console(stderr=True)
 out = Console()
 
 
+STORE_OPTION = typer.Option(None, "--store", help="store URI, file://PATH or s3://BUCKET/PREFIX (default: the YAML's "
+                                                    "storage.uri)")
+EXPERIMENT_OPTION = typer.Option(None, "--experiment", help="experiment name (default: the YAML's experiment)")
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -58,8 +63,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: str | None = typer.Option(None, help="store URI (file://PATH or s3://BUCKET/PREFIX)"),
-    experiment: str | None = typer.Option(None, help="experiment name (overrides the YAML)"),
+    store: str | None = STORE_OPTION,
+    experiment: str | None = EXPERIMENT_OPTION,
     epochs: int | None = typer.Option(None, help="train until this many epochs are committed"),
     report: Path | None = typer.Option(None, help="write the reward/accuracy curve as a Markdown table here"),
     resume_from: str | None = typer.Option(
@@ -70,7 +75,7 @@ def run(
     ray_address: str | None = typer.Option(
         None, help="with --backend ray: the cluster's GCS address HOST:PORT; "
                    "default: start a local head, stop it after"),
-    verbose: bool = typer.Option(False, "--verbose", "-v"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="log at DEBUG (each store call, each unit's steps)"),
 ) -> None:
     """Run every phase in order, resuming from whatever is committed (inline, or on Ray worker pools)."""
     _setup_logging(verbose)
@@ -82,6 +87,12 @@ def run(
         cfg = _load(config, store, experiment, epochs)
         if backend not in ("inline", "ray"):
             raise typer.BadParameter(f"--backend {backend!r}: use inline or ray")
+        finished = None if resume_from else _already_trained(cfg)
+        if finished is not None:
+            console.print(f"{cfg.experiment}: already trained ({cfg.epochs} epochs committed in "
+                          f"{finished['store']}); nothing recomputed")
+            _finish(finished, report)
+            return
         from verl_tasks.rewards.sandbox import preflight
 
         preflight(cfg.rewards)  # a reward function that cannot load, or no sandbox here: before any compute
@@ -113,13 +124,7 @@ def run(
                     bar.update(task, description=f"{cfg.experiment} epoch {epoch} {phase}{where}")
 
             result = train(ctx, cfg.epochs, progress, run_units)
-        _print_summary(result)
-        if report:
-            from verl_tasks.report import curve_markdown
-
-            report.parent.mkdir(parents=True, exist_ok=True)
-            report.write_text(curve_markdown(result))
-            console.print(f"curve written to {report}")
+        _finish(result, report)
         console.print(f"done in {time.monotonic() - started:.1f}s")
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the unit in progress was not committed and will rerun next time")
@@ -128,6 +133,36 @@ def run(
         _fail(err)
     finally:
         stack.close()
+
+
+def _already_trained(cfg: ExperimentConfig) -> dict | None:
+    """The status of an experiment with nothing left to compute under this very config, else None.
+
+    Decided from the store alone, before torch or a sandbox is loaded: a finished run returns at the cost
+    of ``verl-tasks status``. A config that differs from the pin, or a halted experiment, takes the full
+    path: what those mean is decided there, in one place.
+    """
+    from verl_tasks.layout import Layout
+    from verl_tasks.pinning import read_pin
+    from verl_tasks.status import status as get_status
+    from verl_tasks.store import store_for
+
+    store = store_for(cfg)
+    pin = read_pin(store, Layout(cfg.experiment))
+    if pin is None or pin.get("config_hash") != cfg.config_hash():
+        return None
+    shown = get_status(cfg, store)
+    return shown if shown["finished"] and shown["safe_mode"] is None else None
+
+
+def _finish(result: dict, report: Path | None) -> None:
+    _print_summary(result)
+    if report:
+        from verl_tasks.report import curve_markdown
+
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(curve_markdown(result))
+        console.print(f"curve written to {report}")
 
 
 def _start_from(ctx, source: str) -> None:
@@ -163,10 +198,11 @@ def _print_summary(result: dict) -> None:
 @app.command()
 def status(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: str | None = typer.Option(None),
-    experiment: str | None = typer.Option(None),
+    store: str | None = STORE_OPTION,
+    experiment: str | None = EXPERIMENT_OPTION,
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     curve: bool = typer.Option(False, "--curve", help="also print the reward/accuracy curve (Markdown)"),
+    epochs: int | None = typer.Option(None, help="a run of this many epochs (default: the YAML's epochs)"),
 ) -> None:
     """Per epoch: each phase's state and metrics, and the latest snapshot."""
     _setup_logging(False)
@@ -174,7 +210,7 @@ def status(
     from verl_tasks.store import store_for
 
     try:
-        cfg = _load(config, store, experiment)
+        cfg = _load(config, store, experiment, epochs)
         result = get_status(cfg, store_for(cfg))
     except VerlTasksError as err:
         _fail(err)
@@ -215,8 +251,8 @@ def status(
 @app.command()
 def metrics(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: str | None = typer.Option(None),
-    experiment: str | None = typer.Option(None),
+    store: str | None = STORE_OPTION,
+    experiment: str | None = EXPERIMENT_OPTION,
     out_file: Path | None = typer.Option(
         None, "--out", help="write here atomically (for a node exporter's textfile collector: a .prom file)"),
 ) -> None:
@@ -239,36 +275,52 @@ def metrics(
 @app.command()
 def watch(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: str | None = typer.Option(None),
-    experiment: str | None = typer.Option(None),
+    store: str | None = STORE_OPTION,
+    experiment: str | None = EXPERIMENT_OPTION,
     every: float = typer.Option(1.0, help="seconds between looks at the state log"),
     until_epochs: int | None = typer.Option(None, help="return once this many epochs have a committed snapshot"),
+    history: bool = typer.Option(False, "--history", help="also print the lines of what happened before this "
+                                                           "watch started (default: one summary line)"),
 ) -> None:
     """Print one line per committed (or failed) unit as it happens, from the experiment's state log."""
     from verl_tasks.events import follow_events
     from verl_tasks.layout import Layout
     from verl_tasks.store import store_for
 
+    started = time.time()
     try:
         cfg = _load(config, store, experiment)
         layout = Layout(cfg.experiment)
-        snapshots = 0
+        snapshots, earlier, summarised = 0, 0, history
         for event in follow_events(store_for(cfg), layout, every):
             if event.get("kind") not in ("committed", "failed", "fallback", "safe_mode", "resumed"):
                 continue
-            where = f"e{event.get('epoch')} {event.get('phase', '')}" + (
-                f" b{event['batch']}" if event.get("batch") is not None else "")
-            took = f" in {event['duration_s']:.2f}s" if isinstance(event.get("duration_s"), (int, float)) else ""
-            stamp = time.strftime("%H:%M:%S", time.localtime(event.get("time", time.time())))
-            out.print(f"{stamp} {event['kind']:<9} {where}{took}", highlight=False)
             if event.get("kind") == "committed" and event.get("phase") == "snapshot":
                 snapshots += 1
-                if until_epochs is not None and snapshots >= until_epochs:
-                    return
+            past = not history and event.get("time", started) < started
+            earlier += past
+            if not past or (until_epochs is not None and snapshots >= until_epochs):
+                if not summarised and earlier:
+                    out.print(f"({earlier} earlier lines of {cfg.experiment} not shown; --history prints them)",
+                              highlight=False)
+                summarised = True
+            if not past:
+                _print_event(event)
+            if until_epochs is not None and snapshots >= until_epochs:
+                return
     except VerlTasksError as err:
         _fail(err)
     except KeyboardInterrupt:
         return
+
+
+def _print_event(event: dict) -> None:
+    """One line: when, what, which unit, how long."""
+    where = f"e{event.get('epoch')} {event.get('phase', '')}" + (
+        f" b{event['batch']}" if event.get("batch") is not None else "")
+    took = f" in {event['duration_s']:.2f}s" if isinstance(event.get("duration_s"), (int, float)) else ""
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.get("time", time.time())))
+    out.print(f"{stamp} {event['kind']:<9} {where}{took}", highlight=False)
 
 
 # --- operations after a fault: checkpoint, rollback, gc, resume -------------------------------------
@@ -364,8 +416,8 @@ def model_import_gguf(
 def rollback(
     config: Path = typer.Argument(..., help="experiment YAML"),
     to_epoch: int = typer.Option(..., "--to-epoch", help="keep epochs 0..K; invalidate every later one"),
-    store: str | None = typer.Option(None),
-    experiment: str | None = typer.Option(None),
+    store: str | None = STORE_OPTION,
+    experiment: str | None = EXPERIMENT_OPTION,
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
 ) -> None:
     """Invalidate the units after epoch K (markers to a tombstone, data kept until gc); `run` continues from K."""
@@ -399,8 +451,8 @@ def gc(
     config: Path = typer.Argument(..., help="experiment YAML"),
     older_than: str = typer.Option("1h", "--older-than", help="only garbage older than this (30m, 1h, 2d)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list, delete nothing"),
-    store: str | None = typer.Option(None),
-    experiment: str | None = typer.Option(None),
+    store: str | None = STORE_OPTION,
+    experiment: str | None = EXPERIMENT_OPTION,
 ) -> None:
     """Remove attempt folders no marker names, and tombstones older than --older-than."""
     _setup_logging(False)
@@ -423,8 +475,8 @@ def gc(
 @app.command()
 def resume(
     config: Path = typer.Argument(..., help="experiment YAML"),
-    store: str | None = typer.Option(None),
-    experiment: str | None = typer.Option(None),
+    store: str | None = STORE_OPTION,
+    experiment: str | None = EXPERIMENT_OPTION,
 ) -> None:
     """Leave safe mode; then continue as printed (Clear in Airflow, or `verl-tasks run`)."""
     _setup_logging(False)

@@ -8,6 +8,7 @@ different value for any of those keys is refused with the list of keys.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 import re
@@ -501,12 +502,27 @@ def differing_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
 
 
+def _keys_beside(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the config section holding ``loc`` accepts (empty where it is not a config section)."""
+    model: type[BaseModel] = ExperimentConfig
+    for part in loc[:-1]:
+        field_info = model.model_fields.get(str(part))
+        inner = field_info.annotation if field_info is not None else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return []
+        model = inner
+    return list(model.model_fields)
+
+
 def _describe(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
         where = ".".join(str(p) for p in item["loc"]) or "<top level>"
         if item["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key; remove it or check its spelling")
+            near = difflib.get_close_matches(str(item["loc"][-1]), _keys_beside(item["loc"]), n=1)
+            section = where.rsplit(".", 1)[0] + "." if "." in where else ""
+            hint = f"did you mean {section}{near[0]}?" if near else "check its spelling or remove it"
+            lines.append(f"{where}: unknown key; {hint}")
         elif item["type"] == "string_type" and isinstance(item.get("input"), (date, int, float, bool)):
             lines.append(f"{where}: YAML read {item['input']!s} as a {type(item['input']).__name__}, not text; "
                          f"quote it: {where.rsplit('.', 1)[-1]}: \"{item['input']!s}\"")

@@ -94,7 +94,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: not valid JSON ({err.msg}); fix or remove the line") from None
+            raise DataError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); fix or remove "
+                            f"the line") from None
         rows.append(_row_from_record(record, f"{path}:{number}"))
     return rows
 

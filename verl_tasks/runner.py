@@ -15,7 +15,7 @@ from typing import Any
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution.deadline import unit_deadline
 from verl_tasks.execution.heap import freeze_after_imports
-from verl_tasks.execution.outcome import LEAVE_OUT, RAISE, after_failure
+from verl_tasks.execution.outcome import LEAVE_OUT, RAISE, after_failure, next_step_text
 from verl_tasks.phase_registry import PHASES
 from verl_tasks.phase_registry import phase as phase_spec
 from verl_tasks.phases import PhaseContext
@@ -70,8 +70,9 @@ def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int 
                     run_phase(ctx, phase, epoch, batch)
             except Exception as err:  # noqa: BLE001 - the shared policy decides what a failure means
                 step = after_failure(ft, batched, err, tries)
-                log.warning("%s of epoch %d batch %s failed (try %d of %d): %s: %s; %s", phase, epoch, batch, tries,
-                            1 + ft.retries, type(err).__name__, err, step)
+                where = f"{phase} of epoch {epoch}" + (f" batch {batch}" if batch is not None else "")
+                log.warning("%s failed (try %d of %d): %s: %s; %s", where, tries, 1 + ft.retries,
+                            type(err).__name__, err, next_step_text(step, err, ft))
                 if step == RAISE:
                     raise
                 if step == LEAVE_OUT:

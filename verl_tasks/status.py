@@ -84,7 +84,8 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         ``experiment``, ``store`` (URI), ``epochs`` (rows with ``epoch``, ``phases``: phase -> state,
         ``metrics``, ``skipped_batches`` when the epoch went on without some), ``latest_snapshot``,
         ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``),
-        ``quarantined``, ``warnings`` and ``safe_mode`` (the record while the experiment is halted, else None).
+        ``quarantined``, ``warnings``, ``safe_mode`` (the record while the experiment is halted, else None)
+        and ``finished`` (every epoch left nothing to do: a run would compute nothing).
     """
     layout = Layout(config.experiment)
     keys = set(store.list(layout.root + "/epochs/")) | set(store.list(layout.snapshots + "/"))
@@ -124,6 +125,7 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "best_snapshot": read_best(store, layout) if config.storage.keep_best_by else None,
         "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")}},
         "safe_mode": read_safe_mode(store, layout),
+        "finished": all(epoch_done(config, store, layout, epoch, config.epochs) for epoch in range(config.epochs)),
     }
 
 

@@ -62,6 +62,17 @@ def after_failure(fault_tolerance: Any, batched: bool, error: BaseException, tri
     return LEAVE_OUT if batched and fault_tolerance.min_committed_batch_fraction < 1 else RAISE
 
 
+def next_step_text(step: str, error: BaseException, fault_tolerance: Any) -> str:
+    """What ``after_failure``'s ``step`` means, in words for the log line of the failed try."""
+    if step == RETRY:
+        return f"retrying in {fault_tolerance.retry_delay_s:g} s"
+    if step == LEAVE_OUT:
+        return "out of tries: the epoch goes on without this batch if validate allows it"
+    if is_deterministic(error):
+        return "not retried: a retry would fail the same way (bad input or config); fix it, then rerun"
+    return "out of tries: the run stops"
+
+
 def _plain(value: Any) -> bool:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return len(str(value)) <= MAX_MESSAGE
@@ -122,5 +133,5 @@ def describe(result: dict[str, Any] | None) -> str:
     return str(error) if error else "no result line"
 
 
-__all__ = ["DETERMINISTIC", "REGISTRY", "is_deterministic", "after_failure", "RETRY", "LEAVE_OUT", "RAISE",
-           "error_payload", "failure_result", "parse_result", "error_from_result", "describe"]
+__all__ = ["DETERMINISTIC", "REGISTRY", "is_deterministic", "after_failure", "next_step_text", "RETRY", "LEAVE_OUT",
+           "RAISE", "error_payload", "failure_result", "parse_result", "error_from_result", "describe"]

@@ -377,7 +377,14 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
     raised once the other units finish.
     """
     from verl_tasks.errors import PhaseFailed
-    from verl_tasks.execution.outcome import LEAVE_OUT, RETRY, after_failure, describe, error_from_result
+    from verl_tasks.execution.outcome import (
+        LEAVE_OUT,
+        RETRY,
+        after_failure,
+        describe,
+        error_from_result,
+        next_step_text,
+    )
     from verl_tasks.phase_registry import phase as phase_spec
     from verl_tasks.store.units import new_attempt_id
 
@@ -414,7 +421,8 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
             continue
         error = error_from_result(result) or PhaseFailed(spec.label, describe(result))
         step = after_failure(ft, batched, error, tries)
-        log.warning("%s failed (try %d of %d): %s; %s", spec.label, tries, 1 + ft.retries, error, step)
+        log.warning("%s failed (try %d of %d): %s; %s", spec.label, tries, 1 + ft.retries, error,
+                    next_step_text(step, error, ft))
         if step == RETRY:
             time.sleep(ft.retry_delay_s)
             launch(spec.batch, tries + 1)  # a new attempt, as Airflow's retry would be

@@ -1,0 +1,103 @@
+"""What the CLI tells a person: a finished run answered from the store alone, a watch that does not replay
+the past as new, a misspelt key with its likely spelling, and a failed try that says whether it is retried."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl_tasks.config import load_config
+from verl_tasks.errors import ConfigError, DataError
+from verl_tasks.runner import make_context, train
+
+from .chaos import util
+
+# Runs the CLI in a fresh interpreter and reports, after it returns, whether torch was ever imported.
+PROBE = """
+import sys
+from verl_tasks.cli import app
+try:
+    app(sys.argv[1:], standalone_mode=False)
+finally:
+    print("TORCH_IMPORTED", "torch" in sys.modules)
+"""
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-epoch run, and a YAML naming it."""
+    root = tmp_path_factory.mktemp("cli")
+    uri = f"file://{root}/store"
+    train(make_context(util.config(uri)), util.EPOCHS)
+    return {"uri": uri, "yaml": str(util.write_config(root)), "root": root}
+
+
+def probe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE, *args], cwd=util.ROOT, capture_output=True, text=True)
+
+
+def test_a_finished_run_is_answered_from_the_store_without_torch(finished, tmp_path):
+    report = tmp_path / "curve.md"
+    done = probe("run", finished["yaml"], "--store", finished["uri"], "--report", str(report))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "already trained (2 epochs committed" in done.stderr and "nothing recomputed" in done.stderr, done.stderr
+    assert "TORCH_IMPORTED False" in done.stdout, done.stdout
+    assert "| base" in report.read_text() or "base" in report.read_text()
+
+
+def test_a_changed_config_is_not_answered_from_the_store(finished, tmp_path):
+    """The fast path needs the pinned config: another lr goes the full way (torch loaded, the runner decides)."""
+    changed = util.write_config(tmp_path, **{"algorithm.lr": 0.123})
+    full = probe("run", str(changed), "--store", finished["uri"])
+    assert "already trained" not in full.stderr and "TORCH_IMPORTED True" in full.stdout, full.stderr[-3000:]
+
+
+def test_watch_summarises_what_happened_before_it_started(finished):
+    shown = util.run_cli("watch", finished["yaml"], "--store", finished["uri"], "--until-epochs", "2", "--every", "0.1")
+    lines = shown.stdout.strip().splitlines()
+    assert len(lines) == 1 and "earlier lines of" in lines[0] and "--history" in lines[0], shown.stdout
+    replayed = util.run_cli("watch", finished["yaml"], "--store", finished["uri"], "--until-epochs", "2",
+                            "--every", "0.1", "--history")
+    assert sum(" committed " in line for line in replayed.stdout.splitlines()) >= 2 * 4, replayed.stdout
+
+
+def test_a_misspelt_key_is_named_with_its_likely_spelling(tmp_path):
+    path = util.write_config(tmp_path)
+    text = path.read_text().replace("epochs:", "epoch:", 1)
+    path.write_text(text + "\nrollout_typo: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "epoch: unknown key; did you mean epochs?" in str(err.value)
+    assert "rollout_typo: unknown key; did you mean rollout?" in str(err.value)
+
+
+def test_a_bad_input_try_says_it_is_not_retried(tiny_config, tmp_path, caplog):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "2+2=, "ground_truth": "4"}\n')
+    ctx = make_context(tiny_config(**{"data.train": str(data)}))
+    with caplog.at_level(logging.WARNING, logger="verl_tasks.runner"), pytest.raises(DataError) as err:
+        train(ctx, 1)
+    assert "prompts.jsonl:2: not valid JSON (Expecting ',' delimiter at column" in str(err.value), err.value
+    failed = [r.getMessage() for r in caplog.records if "failed (try 1 of" in r.getMessage()]
+    assert len(failed) == 1, failed  # one try: never retried
+    assert failed[0].startswith("plan of epoch 0 failed") and "not retried" in failed[0], failed
+
+
+def test_a_second_demo_says_already_trained_and_shows_the_curve(tmp_path):
+    """scripts/demo.sh over a store whose experiment is finished: no Ray head, no Airflow run, the curve."""
+    store_root = tmp_path / "root"
+    train(make_context(load_config(util.TINY_YAML, {"epochs": 1, "storage.uri": f"file://{store_root}/.store"})), 1)
+    env = {**os.environ, "VERL_TASKS_STORE_ROOT": str(store_root), "AIRFLOW_HOME": str(tmp_path / "airflow"),
+           "DEMO_EPOCHS": "1"}
+    shown = util.run_cli("status", "dags/experiments/tiny_arith.yaml", "--store", f"file://{store_root}/.store",
+                         "--epochs", "1", "--json", check=False)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["finished"], shown.stdout[-3000:] + shown.stderr[-3000:]
+    shown = subprocess.run(["bash", "scripts/demo.sh"], cwd=util.ROOT, capture_output=True, text=True, env=env)
+    assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
+    assert "tiny-arith is already trained (1 epochs committed" in shown.stdout, shown.stdout
+    assert "nothing recomputed" in shown.stdout and "Held-out accuracy: 50.0% -> " in shown.stdout, shown.stdout
+    assert not (tmp_path / "airflow" / "airflow.db").exists()  # no Airflow run was started
