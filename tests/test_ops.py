@@ -170,9 +170,30 @@ def test_a_rollback_that_died_before_repointing_latest_is_finished_by_a_rerun(ti
 
 
 def test_rollback_refuses_bad_epochs(copy):
-    for bad in ("-1", "7"):
+    """Exit code 2 is also Click's usage error: the product's own message must name the problem and the fix,
+    and the refused rollback must leave every commit, ``latest.json`` and the tombstones as they were."""
+    ctx = copy["ctx"]
+    store, layout = ctx.store, ctx.layout
+
+    def committed() -> dict[str, bytes]:
+        return {k: store.get(k) for k in store.list(layout.root + "/") if k.endswith("/_SUCCESS")}
+
+    before, latest = committed(), store.get(layout.latest)
+    assert before and json.loads(latest)["version"] == util.EPOCHS
+    from verl_tasks.layout import MAX_EPOCH
+
+    refusals = {
+        "-1": rf"error: --to-epoch must be an integer in [0, {MAX_EPOCH}], got -1",
+        "7": "error: snapshot 8 (the output of epoch 7) is not committed; roll back to an earlier epoch",
+    }
+    for bad, message in refusals.items():
         result = invoke("rollback", copy["yaml"], "--store", copy["uri"], "--to-epoch", bad, "--yes")
         assert result.exit_code == 2, result.output
+        assert message in " ".join(result.output.split()), result.output
+        assert "Usage:" not in result.output and "Traceback" not in result.output, result.output
+        assert committed() == before, "a refused rollback moved a marker"
+        assert store.get(layout.latest) == latest
+        assert not store.list(layout.tombstones + "/")
 
 
 def test_gc_removes_crashed_attempts_only_when_old(copy):

@@ -6,12 +6,13 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 
 import pytest
 
-from verl_tasks.errors import ConfigError, IntegrityError, StoreError, UnsafeKey
+from verl_tasks.errors import ConfigError, IntegrityError, UnsafeKey
 from verl_tasks.layout import Layout
 
 from .chaos import util
@@ -49,8 +50,12 @@ def test_rollback_epoch_is_validated(tmp_path, epoch):
 def test_checkpoint_uri_cannot_climb(tmp_path):
     from verl_tasks.ops.checkpoint import refs
 
-    with pytest.raises((ConfigError, StoreError)):
+    # Read as root ``<tmp>/store/..`` and experiment ``..``: the name is refused, nothing is created or read.
+    refused = re.escape("invalid experiment name '..': use 1-128 characters from letters, digits, '.', '_' and '-', "
+                        "starting with a letter or digit, and no '..'")
+    with pytest.raises(ConfigError, match=f"^{refused}$"):
         refs(f"file://{tmp_path}/store/../../snapshots/00001")
+    assert not (tmp_path / "store").exists()
 
 
 class Exploit:

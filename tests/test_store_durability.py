@@ -134,25 +134,42 @@ def test_an_attempt_creates_a_store_root_whose_parents_do_not_exist_yet(tmp_path
 
 
 COMMIT_TWO_UNITS = """
-import sys
-from verl_tasks.store import open_store
+import json, sys, threading
+from verl_tasks.store import local, open_store
 from verl_tasks.store.units import UnitWriter
 store = open_store(sys.argv[1])
 for unit in ("exp/epochs/00000/plan", "exp/epochs/00001/plan"):
     writer = UnitWriter(store, unit)
-    writer.write_bytes("a.json", b"{}")
-    writer.write_bytes("b.json", b"{}")
-    assert writer.commit({})[1]
+    writer.write_bytes("a.json", unit.encode() + b"/a")
+    writer.write_bytes("b.json", unit.encode() + b"/b")
+    assert writer.commit({"unit": unit})[1]
+alive = [t.name for t in threading.enumerate() if t.name.startswith("verl-tasks-fsync-") and t.daemon]
+print(json.dumps({"fsync_threads": len(alive), "deferred": len(local._DEFERRED) + len(local._DEFERRED_FILES)}))
 """
 
 
 def test_a_process_that_committed_exits_without_waiting_for_the_fsync_threads(tmp_path):
+    import json
     import subprocess
     import sys
+
+    from verl_tasks.store.units import read_bytes, verify_unit
 
     done = subprocess.run([sys.executable, "-c", COMMIT_TWO_UNITS, f"file://{tmp_path}/store"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and not done.stderr, done.stderr
+    # The threads were still there when the process ended (daemons: nothing joined them), with no work left.
+    left = json.loads(done.stdout)
+    assert left["fsync_threads"] > 0 and left["deferred"] == 0, left
+    # What the exit must not lose: both commits, every file of each, with the bytes their manifests name.
+    store = open_store(f"file://{tmp_path}/store")
+    for unit in ("exp/epochs/00000/plan", "exp/epochs/00001/plan"):
+        record = read_marker(store, unit)
+        assert record is not None and record.meta == {"unit": unit}, unit
+        assert sorted(record.files) == ["a.json", "b.json"]
+        assert verify_unit(store, record) == [], unit
+        assert [read_bytes(store, record, name) for name in ("a.json", "b.json")] == [
+            unit.encode() + b"/a", unit.encode() + b"/b"]
 
 
 def test_a_child_forked_after_the_fsync_threads_started_commits_with_its_own(tmp_path):

@@ -171,12 +171,35 @@ def test_reward_failures_above_threshold_fail_the_batch_and_keep_commits(tiny_co
 
 
 def test_few_reward_failures_get_the_default_and_are_recorded(tiny_config):
+    from tests.reward_fixtures import flaky
+    from verl_tasks.phases.prepare import train_rows
+    from verl_tasks.store.units import read_jsonl
+
+    default = 0.25  # neither a right (1.0) nor a wrong (0.0) answer's score
     ctx = make_context(tiny_config(epochs=1, **{"rewards.function": "tests.reward_fixtures:flaky",
+                                                "rewards.default_score": default,
                                                 "rewards.max_failure_fraction": 0.5}))
     train(ctx, 1)
-    metas = [read_marker(ctx.store, ctx.layout.score(0, b)).meta for b in range(2)]
-    failed = {sid for m in metas for sid in m["failed_samples"]}
-    assert failed and all(sid.startswith("e00000-b") for sid in failed)
+    rows = {row["id"]: row for row in train_rows(ctx)}
+    for batch in range(ctx.config.rollout.batches_per_epoch):
+        samples = read_jsonl(ctx.store, read_marker(ctx.store, ctx.layout.rollout(0, batch)), "samples.jsonl")
+        expected: dict[str, float | None] = {}  # what the fixture returns for each sample, None where it raises
+        for s in samples:
+            row = rows[s["prompt_id"]]
+            try:
+                expected[s["sample_id"]] = flaky(row["data_source"], s["response"], row["ground_truth"],
+                                                 row["extra_info"])
+            except RuntimeError:
+                expected[s["sample_id"]] = None
+        should_fail = {sid for sid, value in expected.items() if value is None}
+        assert 0 < len(should_fail) <= len(samples) // 2, (batch, len(should_fail), len(samples))
+        record = read_marker(ctx.store, ctx.layout.score(0, batch))
+        assert set(record.meta["failed_samples"]) == should_fail, (batch, record.meta["failed_samples"])
+        assert all("flaky" in reason for reason in record.meta["failed_samples"].values()), record.meta
+        assert record.meta["samples"] == len(samples)
+        scores = {r["sample_id"]: r["score"] for r in read_jsonl(ctx.store, record, "scores.jsonl")}
+        assert scores == {sid: default if value is None else value for sid, value in expected.items()}
+        assert record.meta["reward_mean"] == pytest.approx(sum(scores.values()) / len(scores))
 
 
 def test_failing_quality_gate_blocks_the_update(tiny_config):
