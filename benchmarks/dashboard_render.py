@@ -94,7 +94,7 @@ def main() -> None:
             if kind == "redrawn":
                 _SVG_CACHE.clear()  # as after a new commit: the chart is drawn again
             started = time.monotonic()
-            page = render_page([source], [source], {})
+            page = render_page([source], [source])
             timings[kind].append(time.monotonic() - started)
         assert "<h2>bench-dashboard</h2>" in page and "<svg" in page, page[-2000:]
         first = timings["redrawn"].pop(0)

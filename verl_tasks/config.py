@@ -365,6 +365,63 @@ class TrackingConfig(Strict):
     tensorboard: str | None = Field(None, description="folder for TensorBoard event files")
 
 
+class AccessConfig(Strict):
+    """What runs of this DAG may do with experiments of other DAGs (Airflow only; ``verl_tasks.ownership``).
+
+    ``experiment.json`` records the DAG that created an experiment. A run of another DAG may not
+    write to it (pin, re-pin, commit units), fork from it or see it in the Training page unless
+    the lists below name the owning DAG. Not hashed, and never settable from the trigger form:
+    only whoever deploys the DAG decides what its runs may reach.
+    """
+
+    fork_from: list[str] = Field(
+        default_factory=list, description="DAG ids whose experiments runs of this DAG may start from "
+                                          "(resume=snapshot, schedule.parent)")
+    write_to: list[str] = Field(
+        default_factory=list, description="DAG ids whose experiments runs of this DAG may continue (pin, re-pin, "
+                                          "commit units) and its readers see in the Training page; implies fork_from")
+    adopt: list[str] = Field(
+        default_factory=list, description="experiments that record no DAG (made by the CLI, or pinned before "
+                                          "experiments recorded one) this DAG claims besides its own experiment name")
+
+    @field_validator("fork_from", "write_to", "adopt")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not isinstance(name, str) or not NAME_PATTERN.match(name):
+                raise ValueError(f"{name!r} is not a DAG id or experiment name (letters, digits, '.', '_', '-')")
+        return value
+
+
+class TriggerConfig(Strict):
+    """Limits of the Airflow trigger form (not hashed; the form cannot set them)."""
+
+    bounds: dict[str, float] = Field(
+        default_factory=dict,
+        description="the most the trigger form may set a key to, e.g. {rollout.max_new_tokens: 64}; at least the "
+                    "DAG's own value. Keys without one get a default: keys that scale a run's work (group_size, "
+                    "ppo_epochs, max_new_tokens, prompts_per_batch, evaluate.max_prompts) 4x the DAG's value or a "
+                    "small floor, lr 100x, other coefficients 2-10x, ranges their natural limit "
+                    "(config.TRIGGER_BOUNDS); epochs never more than the DAG's")
+
+    @field_validator("bounds", mode="before")
+    @classmethod
+    def _dotted(cls, value: Any) -> Any:
+        return flatten(value) if isinstance(value, dict) else value
+
+    @field_validator("bounds")
+    @classmethod
+    def _bounded_keys(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, bound in value.items():
+            if TRIGGER_BOUNDS.get(key) is None:
+                numeric = sorted(k for k, b in TRIGGER_BOUNDS.items() if b is not None)
+                raise ValueError(f"trigger.bounds has {key!r}, which is not a numeric key of the trigger form; "
+                                 f"use one of {', '.join(numeric)}")
+            if bound <= 0:
+                raise ValueError(f"trigger.bounds.{key} must be > 0")
+        return value
+
+
 class ExperimentConfig(Strict):
     experiment: str
     seed: int = 0
@@ -382,6 +439,8 @@ class ExperimentConfig(Strict):
     resources: dict[str, Resources] = Field(default_factory=dict, description="per phase")
     schedule: ScheduleConfig = ScheduleConfig()
     tracking: TrackingConfig = TrackingConfig()
+    access: AccessConfig = AccessConfig()
+    trigger: TriggerConfig = TriggerConfig()
 
     @field_validator("experiment")
     @classmethod
@@ -484,6 +543,97 @@ class ExperimentConfig(Strict):
 # whoever deploys the DAG, so a user allowed only to trigger it cannot run code or redirect data.
 TRIGGER_OVERRIDABLE = ("epochs", "algorithm.*", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
                        "rollout.prompts_per_batch", "evaluate.*")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The most the trigger form may set a numeric key to: ``times`` x the DAG's own value (its YAML's, or
+    the default), and never less than ``floor``; with ``times`` None, ``floor`` itself. A list (``betas``)
+    is bounded item by item. The DAG's author replaces it per key with ``trigger.bounds`` in the YAML."""
+
+    times: float | None
+    floor: float
+
+    def limit(self, dag_value: Any) -> float:
+        if self.times is None or not isinstance(dag_value, (int, float)) or isinstance(dag_value, bool):
+            return self.floor
+        return max(self.times * dag_value, self.floor)
+
+    def how(self, dag_value: Any) -> str:
+        if self.times is None or not isinstance(dag_value, (int, float)) or isinstance(dag_value, bool):
+            return "the default bound"
+        if self.times * dag_value >= self.floor:
+            return f"{self.times:g} x the DAG's {dag_value:g}"
+        return f"the default floor; the DAG's value is {dag_value:g}"
+
+
+# The upper bound of every key TRIGGER_OVERRIDABLE lets the form set (None: a choice or a switch, bounded by
+# its type). Keys that scale the work of a run (epochs, samples, tokens, passes, evaluated prompts) get a
+# small multiple of the DAG's value; the rest a range that keeps training meaningful. epochs may not pass
+# the DAG's own (its shape: later epochs have no tasks). tests/airflow/test_trigger_form.py checks that every
+# key the allow-list matches is here.
+TRIGGER_BOUNDS: dict[str, Bound | None] = {
+    "epochs": Bound(1, 1),
+    "algorithm.name": None,
+    "algorithm.group_size": Bound(4, 16),
+    "algorithm.norm_adv_by_std": None,
+    "algorithm.clip_ratio_low": Bound(None, 1.0),
+    "algorithm.clip_ratio_high": Bound(5, 1.0),
+    "algorithm.clip_ratio_c": Bound(4, 10.0),
+    "algorithm.loss_agg_mode": None,
+    "algorithm.kl_type": None,
+    "algorithm.kl_coef": Bound(10, 1.0),
+    "algorithm.entropy_coef": Bound(10, 0.1),
+    "algorithm.lr": Bound(100, 0.0),  # swept over decades
+    "algorithm.weight_decay": Bound(10, 0.1),
+    "algorithm.betas": Bound(None, 0.9999),
+    "algorithm.minibatch_size": Bound(4, 64),
+    "algorithm.grad_clip": Bound(10, 10.0),
+    "algorithm.ppo_epochs": Bound(4, 4),
+    "algorithm.lr_schedule": None,
+    "algorithm.warmup_steps": Bound(4, 1000),
+    "algorithm.total_steps": Bound(4, 100_000),
+    "algorithm.min_lr_ratio": Bound(None, 1.0),
+    "rollout.temperature": Bound(2, 2.0),
+    "rollout.top_p": Bound(None, 1.0),
+    "rollout.max_new_tokens": Bound(4, 16),
+    "rollout.prompts_per_batch": Bound(4, 16),
+    "evaluate.every": Bound(None, 1000),
+    "evaluate.max_prompts": Bound(4, 64),
+}
+
+
+def value_at(config: BaseModel, dotted: str) -> Any:
+    """The value of dotted key ``dotted`` in ``config`` (AttributeError when there is none)."""
+    node: Any = config
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def trigger_limits(dag_config: ExperimentConfig) -> dict[str, tuple[float, str]]:
+    """Numeric trigger-form key -> (its upper bound, how it was set), for a DAG built from ``dag_config``.
+
+    ``dag_config`` is the YAML parsed alone (defaults included), never a run's config.
+    Raises ConfigError when ``trigger.bounds`` sets a bound below the DAG's own value.
+    """
+    limits: dict[str, tuple[float, str]] = {}
+    for key, bound in TRIGGER_BOUNDS.items():
+        if bound is None:
+            continue
+        own = value_at(dag_config, key)
+        if key in dag_config.trigger.bounds:
+            limit, how = dag_config.trigger.bounds[key], "trigger.bounds in the YAML"
+            values = own if isinstance(own, (list, tuple)) else [own]
+            if any(isinstance(v, (int, float)) and v > limit for v in values):
+                raise ConfigError(f"trigger.bounds.{key} is {limit:g}, below the DAG's own {key} ({own}); "
+                                  f"raise the bound or lower {key}")
+        else:
+            limit, how = bound.limit(own), bound.how(own)
+        if key == "epochs":  # the DAG's shape: later epochs have no tasks
+            limit, how = min(limit, dag_config.epochs), f"the {dag_config.epochs} epochs this DAG was built with"
+        limits[key] = (limit, how)
+    return limits
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -26,6 +26,18 @@ class ConfigMismatch(ConfigError):
         )
 
 
+class NotPermitted(ConfigError):
+    """A run of one Airflow DAG asked to write to, or start from, an experiment its DAG may not reach
+    (``verl_tasks.ownership``); nothing was written. ``owner`` is None for an experiment no DAG owns."""
+
+    def __init__(self, experiment: str, owner: str | None, dag_id: str, key: str, message: str):
+        self.experiment = experiment
+        self.owner = owner
+        self.dag_id = dag_id
+        self.key = key
+        super().__init__(message)
+
+
 class DataError(ConfigError):
     """The prompt data cannot be used (malformed, empty, too long)."""
 
@@ -82,6 +94,32 @@ class AttemptFenced(StoreError):
         self.unit = unit
         self.attempt = attempt
         super().__init__(f"{unit}: attempt {attempt} was fenced ({reason}); it cannot commit")
+
+
+class WriteConflict(StoreError):
+    """A conditional write could not be decided: S3 kept answering 409 ConditionalRequestConflict (another
+    conditional write to the same key was in flight) through every backoff. Nothing was written; retryable."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
+
+
+class ConfigRepinned(StoreError):
+    """The experiment was re-pinned to another config while an attempt computed under the old one: the
+    attempt may not commit (its files are discarded). Retryable: a retry computes under the pin in force,
+    or is refused with ``ConfigMismatch`` before any work when its config is still the old one."""
+
+    def __init__(self, unit: str, attempt: str, ran_under: str, pinned: str | None):
+        self.unit = unit
+        self.attempt = attempt
+        self.ran_under = ran_under
+        self.pinned = pinned
+        now = f"config {pinned[:12]}" if pinned else "no config (experiment.json is gone)"
+        super().__init__(
+            f"{unit}: attempt {attempt} computed under config {ran_under[:12]}, but the experiment is now pinned to "
+            f"{now}; nothing was committed: rerun the task (it computes under the pinned config)"
+        )
 
 
 class ValidationFailed(PhaseFailed):

@@ -1,8 +1,8 @@
 """The config pin: ``experiment.json`` fixes the training-relevant config of an experiment.
 
-Every unit checks the running config against the pin before it computes, so a
-YAML edited in the middle of a DAG run cannot commit units under another
-config. While an experiment has committed nothing but its data, its base
+Every unit checks the running config against the pin before it computes, and
+its commit checks again (``UnitWriter.commit``), so a YAML edited in the middle
+of a DAG run cannot commit units under another config. While an experiment has committed nothing but its data, its base
 snapshot and plans, a changed config re-pins it (those units are set aside and
 recomputed); after the first rollout the pin is final. Torch-free.
 """
@@ -17,18 +17,20 @@ from verl_tasks.config import ExperimentConfig, differing_keys
 from verl_tasks.errors import ConfigMismatch, StoreError
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
+from verl_tasks.ownership import OWNER, DagAccess, check_write, claim_fields
 from verl_tasks.store.base import NotFound, ObjectStore
 from verl_tasks.store.units import MARKER, quarantine
 
 log = logging.getLogger(__name__)
 
-# (store uri, experiment, config hash) already checked by this process: one small read per process.
-_CHECKED: set[tuple[str, str, str]] = set()
+# Tries of a pin decision whose conditional write met another process's change of experiment.json.
+_PIN_TRIES = 5
 
 
-def _pin_body(config: ExperimentConfig, parent: dict[str, Any] | None) -> dict[str, Any]:
+def _pin_body(config: ExperimentConfig, parent: dict[str, Any] | None, dag_id: str | None) -> dict[str, Any]:
     return {
         "experiment": config.experiment,
+        "dag_id": dag_id,  # the Airflow DAG that owns it; None: made by the CLI (verl_tasks.ownership)
         "config_hash": config.config_hash(),
         "hashed_config": config.hashed_view(),
         "config": config.model_dump(mode="json"),
@@ -39,16 +41,21 @@ def _pin_body(config: ExperimentConfig, parent: dict[str, Any] | None) -> dict[s
 
 def read_pin(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
     """The pinned ``experiment.json``, or None. Raises StoreError (one line, with the fix) when it is damaged."""
+    return _read_versioned(store, layout)[0]
+
+
+def _read_versioned(store: ObjectStore, layout: Layout) -> tuple[dict[str, Any] | None, str]:
+    """The pin and its version, for a compare-and-swap of it (``put_if_match``); (None, "") when absent."""
     try:
-        data = store.get(layout.experiment_json)
+        data, version = store.get_versioned(layout.experiment_json)
     except NotFound:
-        return None
+        return None, ""
     try:
         body = json.loads(data)
         if not isinstance(body, dict) or not isinstance(body.get("config_hash"), str):
             raise ValueError("no config_hash")
         body.setdefault("hashed_config", {})
-        return body
+        return body, version
     except (ValueError, UnicodeDecodeError) as err:
         raise StoreError(
             f"{store.url(layout.experiment_json)} is damaged ({type(err).__name__}: {str(err)[:120]}); it pins the "
@@ -80,62 +87,92 @@ def _set_prelude_aside(store: ObjectStore, layout: Layout, keys: list[str], pare
     return moved
 
 
-def pin_experiment(ctx: Any, parent: dict[str, Any] | None = None) -> dict[str, Any]:
+def pin_experiment(ctx: Any, parent: dict[str, Any] | None = None, dag: DagAccess | None = None) -> dict[str, Any]:
     """Write ``experiment.json`` once; afterwards refuse a config whose hashed keys differ.
 
     Args:
         ctx: anything with ``config``, ``store`` and ``layout`` (a PhaseContext).
         parent: the experiment/snapshot this one was forked from, recorded in the pin.
+        dag: the Airflow DAG whose run pins it (None: the CLI or a phase). A new pin records it as the owner;
+            an existing one refuses it unless it may write there, and one without an owner is claimed
+            when its YAML names it (:mod:`verl_tasks.ownership`). A re-pin keeps the recorded owner.
     Returns:
         The pin in force.
     Raises:
+        NotPermitted: the experiment belongs to another DAG (checked before anything is written).
         ConfigMismatch: the experiment already computed units under another config.
-        StoreError: ``experiment.json`` is damaged.
+        StoreError: ``experiment.json`` is damaged, or kept changing under every try.
     """
-    config, store, layout = ctx.config, ctx.store, ctx.layout
-    body = _pin_body(config, parent)
-    existing = read_pin(store, layout)
+    store, layout = ctx.store, ctx.layout
+    for _ in range(_PIN_TRIES):
+        pinned = _pin_once(ctx.config, store, layout, parent, dag)
+        if pinned is not None:
+            return pinned
+    raise StoreError(f"{store.url(layout.experiment_json)} changed under each of {_PIN_TRIES} tries to pin it "
+                     f"(other runs of the experiment pinning or deleting it at once?); nothing was re-pinned: "
+                     f"run again")
+
+
+def _pin_once(config: ExperimentConfig, store: ObjectStore, layout: Layout, parent: dict[str, Any] | None,
+              dag: DagAccess | None) -> dict[str, Any] | None:
+    """One decision of ``pin_experiment``. Every write of the pin is conditional on the version it was
+    decided on: None when another process changed (or created) ``experiment.json`` meanwhile."""
+    body = _pin_body(config, parent, dag.dag_id if dag else None)
+    existing, version = _read_versioned(store, layout)
     if existing is None:
-        if store.put_if_absent(layout.experiment_json, json.dumps(body, indent=1, sort_keys=True).encode()):
-            _CHECKED.add((store.uri, config.experiment, body["config_hash"]))
-            return body
-        existing = read_pin(store, layout)
-        if existing is None:  # another process pinned it first, and it is gone again
-            raise StoreError(f"{store.url(layout.experiment_json)} was written by another process and deleted "
-                             f"again before it could be read; is the experiment being deleted? Run again")
+        return body if store.put_if_absent(layout.experiment_json, _encoded(body)) else None
+    claimant = dag if check_write(existing, config.experiment, dag) else None
+    _keep_owner(body, existing, claimant)
     if existing["config_hash"] == body["config_hash"]:
-        _CHECKED.add((store.uri, config.experiment, body["config_hash"]))
+        if claimant is not None:
+            existing = {**existing, **claim_fields(existing, claimant, time.time())}
+            if not store.put_if_match(layout.experiment_json, _encoded(existing), version):
+                return None
+            record_event(store, layout, "claimed", dag_id=claimant.dag_id)
         return existing
     keys = differing_keys(existing["hashed_config"], body["hashed_config"])
     if not _only_prelude_committed(store, layout):
         raise ConfigMismatch(config.experiment, keys, store.url(layout.root))
-    moved = _set_prelude_aside(store, layout, keys, existing.get("parent"))
     body["parent"] = parent or existing.get("parent")
-    store.put(layout.experiment_json, json.dumps(body, indent=1, sort_keys=True).encode())
+    # The pin before the set-aside: a unit committing under the old config meanwhile either has its marker
+    # before the set-aside's scan (set aside there) or reads the new pin after its marker (``UnitWriter.commit``).
+    if not store.put_if_match(layout.experiment_json, _encoded(body), version):
+        return None
+    moved = _set_prelude_aside(store, layout, keys, existing.get("parent"))
     record_event(store, layout, "repinned", differing_keys=keys, set_aside=moved)
     log.warning("experiment %s had committed no rollout yet: re-pinned with the new config (changed: %s)",
                 config.experiment, ", ".join(keys))
-    _CHECKED.add((store.uri, config.experiment, body["config_hash"]))
     return body
 
 
+def _encoded(pin: dict[str, Any]) -> bytes:
+    return json.dumps(pin, indent=1, sort_keys=True).encode()
+
+
+def _keep_owner(body: dict[str, Any], existing: dict[str, Any], claimant: DagAccess | None) -> None:
+    """A re-pin keeps the owner ``existing`` records (absent stays absent), or records the claiming DAG."""
+    if claimant is not None:
+        body.update(claim_fields(existing, claimant, time.time()))
+    elif OWNER in existing:
+        body.update({key: existing[key] for key in (OWNER, "claimed") if key in existing})
+    else:
+        body.pop(OWNER, None)
+
+
 def check_pinned(config: ExperimentConfig, store: ObjectStore) -> None:
-    """Refuse to compute a unit under a config other than the pinned one (one read per process).
+    """Refuse to compute a unit under a config other than the pinned one. One small read per unit, never
+    cached: the experiment may have been re-pinned since this process last looked (the commit checks again).
 
     Raises:
         ConfigMismatch: the running config differs from ``experiment.json``.
     """
-    key = (store.uri, config.experiment, config.config_hash())
-    if key in _CHECKED:
-        return
     layout = Layout(config.experiment)
     pinned = read_pin(store, layout)
     if pinned is None:
         return  # nothing pinned yet: prepare (the first plan) pins it before any data is computed
-    if pinned["config_hash"] != key[2]:
+    if pinned["config_hash"] != config.config_hash():
         raise ConfigMismatch(config.experiment, differing_keys(pinned["hashed_config"], config.hashed_view()),
                              store.url(layout.root))
-    _CHECKED.add(key)
 
 
 __all__ = ["pin_experiment", "check_pinned", "read_pin"]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -20,8 +21,10 @@ from tests.airflow.e2e_support import free_port, stop_group, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
-# Two teams, one experiment DAG each, each DAG in its own team's bundle.
-USERS = {"admin": ("admin", None), "alice": ("viewer", "team_a"), "bob": ("viewer", "team_b")}
+# Two teams, one experiment DAG each, each DAG in its own team's bundle: a viewer and a user (who may
+# trigger its team's DAG, and only that one) per team.
+USERS = {"admin": ("admin", None), "alice": ("viewer", "team_a"), "bob": ("viewer", "team_b"),
+         "carol": ("user", "team_a"), "dave": ("user", "team_b")}
 TEAM_OF_DAG = {"vt_auth_a": "team_a", "vt_auth_b": "team_b"}
 
 
@@ -112,9 +115,19 @@ record_event(store_for(cfg), Layout(cfg.experiment), "dashboard-probe", unit="pr
 """
 
 
+@dataclass
+class TeamServer:
+    """A running team api-server: its URL, each user's password, its Airflow home and environment."""
+
+    base: str
+    passwords: dict[str, str]
+    root: Path
+    env: dict[str, str]
+
+
 @contextmanager
-def team_server(root: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """The multi-team api-server (``all_admins`` off): yields its base URL and each user's password."""
+def team_server(root: Path) -> Iterator[TeamServer]:
+    """The multi-team api-server (``all_admins`` off) and the environment of its Airflow (SQLite, two bundles)."""
     bundles = team_layout(root)
     passwords = write_passwords(root, USERS)
     env = airflow_env(root, USERS, AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="False",
@@ -127,4 +140,4 @@ def team_server(root: Path) -> Iterator[tuple[str, dict[str, str]]]:
         subprocess.run([sys.executable, "-c", FILL_STORE, str(root / "experiments" / f"{dag_id}.yaml")], check=True,
                        timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     with serving(root, env) as base:
-        yield base, passwords
+        yield TeamServer(base, passwords, root, env)

@@ -43,9 +43,15 @@ def ray_head(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def team_api_server(tmp_path_factory):
-    """The two-team ``airflow api-server`` of the dashboard-auth and metrics-route tests: (base URL, passwords)."""
+def team_airflow(tmp_path_factory):
+    """The two-team ``airflow api-server`` with its Airflow home and environment (``api_server.TeamServer``)."""
     from tests.airflow.api_server import team_server
 
     with team_server(tmp_path_factory.mktemp("team-api-server")) as served:
         yield served
+
+
+@pytest.fixture(scope="session")
+def team_api_server(team_airflow):
+    """The two-team api-server of the dashboard-auth and metrics-route tests: (base URL, passwords)."""
+    return team_airflow.base, team_airflow.passwords

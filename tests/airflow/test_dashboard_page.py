@@ -58,7 +58,7 @@ def two_dags(tmp_path):
 def test_experiments_are_listed_from_the_stores_including_new_names(two_dags):
     from verl_tasks.airflow.plugin import render_page
 
-    page = render_page(two_dags, two_dags, {})
+    page = render_page(two_dags, two_dags)
     assert sorted(_shown(page)) == ["exp-a", "exp-b", "renamed-run"]
     assert 'href="?experiment=renamed-run&amp;dag=dag_a"' in page
 
@@ -67,7 +67,7 @@ def test_experiments_are_listed_from_the_stores_including_new_names(two_dags):
 def test_search_finds_an_experiment_of_any_dag(two_dags, name, dag):
     from verl_tasks.airflow.plugin import render_page
 
-    page = render_page(two_dags, two_dags, {}, experiment=name)
+    page = render_page(two_dags, two_dags, experiment=name)
     assert _shown(page) == [name]
     assert f"DAG <code>{dag}</code>" in page
 
@@ -75,22 +75,54 @@ def test_search_finds_an_experiment_of_any_dag(two_dags, name, dag):
 def test_search_for_a_missing_name_says_so(two_dags):
     from verl_tasks.airflow.plugin import render_page
 
-    page = render_page(two_dags, two_dags, {}, experiment="nope")
+    page = render_page(two_dags, two_dags, experiment="nope")
     assert _shown(page) == [] and "No experiment &#39;nope&#39; in the store of a DAG you may read." in page
 
 
-def test_a_shared_store_shows_a_new_name_only_to_the_dag_whose_run_named_it(tmp_path):
+def _record_owner(root: Path, experiment: str, dag_id: str | None) -> None:
+    """Write ``experiment.json`` as ``configure`` leaves it: with the DAG that made the experiment."""
+    import json
+
+    path = root / experiment / "experiment.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "dag_id": dag_id}))
+
+
+def test_a_shared_store_shows_an_experiment_to_the_readers_of_the_dag_it_records(tmp_path):
     from verl_tasks.airflow.plugin import render_page
 
     store = f"file://{tmp_path / 'shared'}"
-    for name in ("exp-a", "exp-b", "from-a-run", "nobodys"):
+    for name in ("exp-a", "exp-b", "from-a-run", "from-b-run", "nobodys", "by-cli"):
         fabricate(tmp_path / "shared", name, 1, 2)
+    _record_owner(tmp_path / "shared", "from-a-run", "dag_a")
+    _record_owner(tmp_path / "shared", "from-b-run", "dag_b")
+    _record_owner(tmp_path / "shared", "by-cli", None)  # made by verl-tasks run: no DAG's
     a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)),
                     ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
-    named = {"from-a-run": "dag_a"}
-    assert sorted(_shown(render_page([a], [a, b], named))) == ["exp-a", "from-a-run"]
-    assert _shown(render_page([b], [a, b], named)) == ["exp-b"]
-    assert _shown(render_page([b], [a, b], named, experiment="from-a-run")) == []
+    assert sorted(_shown(render_page([a], [a, b]))) == ["exp-a", "from-a-run"]
+    assert sorted(_shown(render_page([b], [a, b]))) == ["exp-b", "from-b-run"]
+    assert _shown(render_page([b], [a, b], experiment="from-a-run")) == []
+    assert sorted(_shown(render_page([a, b], [a, b]))) == ["exp-a", "exp-b", "from-a-run", "from-b-run"]
+
+
+def test_the_recorded_dag_wins_over_the_yaml_name_and_write_to_shares_the_view(tmp_path):
+    """An experiment recorded as dag_b's is not dag_a's even under dag_a's YAML name; access.write_to: [dag_b]
+    in dag_c's YAML shows dag_b's experiments to dag_c's readers (once, under dag_b for those who read both)."""
+    from verl_tasks.airflow.plugin import render_page
+
+    store = f"file://{tmp_path / 'shared'}"
+    for name in ("exp-a", "exp-b"):
+        fabricate(tmp_path / "shared", name, 1, 2)
+    _record_owner(tmp_path / "shared", "exp-a", "dag_b")
+    _record_owner(tmp_path / "shared", "exp-b", "dag_b")
+    paths = {dag: _yaml(tmp_path, dag, f"exp-{dag[-1]}", store) for dag in ("dag_a", "dag_b", "dag_c")}
+    raw = yaml.safe_load(paths["dag_c"].read_text())
+    paths["dag_c"].write_text(yaml.safe_dump({**raw, "access": {"write_to": ["dag_b"]}}))
+    a, b, c = _sources(*paths.items())
+    assert _shown(render_page([a], [a, b, c])) == []  # exp-a records dag_b; exp-c has no store entry yet
+    assert sorted(_shown(render_page([b], [a, b, c]))) == ["exp-a", "exp-b"]
+    assert sorted(_shown(render_page([c], [a, b, c]))) == ["exp-a", "exp-b", "exp-c"]
+    both = render_page([b, c], [a, b, c])
+    assert sorted(_shown(both)) == ["exp-a", "exp-b", "exp-c"] and "DAG <code>dag_c</code>" in both
 
 
 def test_an_s3_store_without_credentials_is_one_calm_line(tmp_path, monkeypatch, moto_endpoint, two_dags):
@@ -102,7 +134,7 @@ def test_an_s3_store_without_credentials_is_one_calm_line(tmp_path, monkeypatch,
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     gpu = _sources(("gpu", _yaml(tmp_path, "gpu", "gpu-exp", "s3://bucket/runs", endpoint_url=moto_endpoint)))
-    page = render_page(two_dags + gpu, two_dags + gpu, {})
+    page = render_page(two_dags + gpu, two_dags + gpu)
     notices = [line for line in page.splitlines() if 'class="notice"' in line and "s3://bucket/runs" in line]
     assert len(notices) == 1, page[:3000]
     assert "is not readable from the Airflow api-server (StoreError" in notices[0]
@@ -118,12 +150,12 @@ def test_grid_chart_snapshots_and_event_filter(tmp_path):
     fabricate(tmp_path / "s", "exp-a", 3, 2)
     (tmp_path / "s" / Layout("exp-a").rollout(2, 1) / MARKER).unlink()  # batch 1 of epoch 2: its marker gone
     sources = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")))
-    page = render_page(sources, sources, {})
+    page = render_page(sources, sources)
     assert page.count("<svg") == 1 and "reward (mean)" in page and "grad norm" in page
     assert 'title="exp-a/epochs/00002/rollout/b0001: absent, 1 attempt(s), 0.50 s"' in page
     assert 'title="exp-a/epochs/00002/rollout/b0000: committed, 1 attempt(s), 0.50 s"' in page
     assert "<td>3</td><td class=\"committed\">committed</td>" in page.replace("\n", "")  # snapshot 3
-    filtered = render_page(sources, sources, {}, epoch=1, phase="rollout")
+    filtered = render_page(sources, sources, epoch=1, phase="rollout")
     rows = [line for line in filtered.split("<tr>") if "<td>started</td>" in line or "<td>committed</td>" in line]
     assert len(rows) == 4 and all("<td>1</td><td>rollout</td>" in row for row in rows), rows
 
@@ -133,7 +165,7 @@ def test_the_page_imports_no_torch(tmp_path):
     path = _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")
     code = ("import sys\nfrom verl_tasks.airflow.plugin import open_source, render_page\n"
             f"s = [open_source('dag_a', __import__('pathlib').Path({str(path)!r}))]\n"
-            "assert '<h2>exp-a</h2>' in render_page(s, s, {})\nprint('torch' in sys.modules)\n")
+            "assert '<h2>exp-a</h2>' in render_page(s, s)\nprint('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
@@ -174,15 +206,16 @@ def test_phase_tasks_carry_both_links():
 
 
 def test_store_folders_are_bounded_and_experiments_need_experiment_json(store):
-    from verl_tasks.airflow.dashboard import store_experiments
+    from verl_tasks.airflow.dashboard import store_records
 
     for name in ("b-exp", "a-exp", "c-exp"):
         store.put(f"{name}/experiment.json", b"{}")
+    store.put("b-exp/experiment.json", b'{"dag_id": "dag_b"}')
     store.put("not-an-experiment/readme.txt", b"x")
     store.put("top-level-file.txt", b"x")
     assert store.folders(10) == ["a-exp", "b-exp", "c-exp", "not-an-experiment"]
     assert store.folders(2) == ["a-exp", "b-exp"]
-    assert store_experiments(store) == ["a-exp", "b-exp", "c-exp"]
+    assert store_records(store) == {"a-exp": {}, "b-exp": {"dag_id": "dag_b"}, "c-exp": {}}
 
 
 def test_the_store_of_a_dag_the_user_may_not_read_is_never_opened(tmp_path, two_dags):
@@ -190,7 +223,7 @@ def test_the_store_of_a_dag_the_user_may_not_read_is_never_opened(tmp_path, two_
 
     hidden = _unopened("gpu", _yaml(tmp_path, "gpu", "gpu-exp", "s3://bucket/runs"))
     assert hidden.store is None and hidden.experiment == "gpu-exp"
-    page = render_page(two_dags, two_dags + [hidden], {})
+    page = render_page(two_dags, two_dags + [hidden])
     assert "s3://bucket/runs" not in page and "gpu" not in _shown(page)
 
 
@@ -271,7 +304,7 @@ def test_an_s3_endpoint_that_is_down_is_one_line_within_seconds(tmp_path, two_da
     down = _sources(("down", _yaml(tmp_path, "down", "down-exp", "s3://bucket/runs",
                                    endpoint_url=f"http://127.0.0.1:{port}")))
     started = time.monotonic()
-    page = render_page(two_dags + down, two_dags + down, {})
+    page = render_page(two_dags + down, two_dags + down)
     assert time.monotonic() - started < 15
     notices = [line for line in page.splitlines() if 'class="notice"' in line and "s3://bucket/runs" in line]
     assert len(notices) == 1 and "(EndpointConnectionError" in notices[0], notices
@@ -286,5 +319,5 @@ def test_a_scheduled_child_belongs_to_its_dag_in_a_shared_store(tmp_path):
         fabricate(tmp_path / "shared", name, 1, 2)
     a, b = _sources(("dag_a", _yaml(tmp_path, "dag_a", "exp-a", store)),
                     ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
-    assert sorted(_shown(render_page([a], [a, b], {}))) == ["exp-a", "exp-a-20260101T000000"]
-    assert _shown(render_page([b], [a, b], {})) == ["exp-b"]
+    assert sorted(_shown(render_page([a], [a, b]))) == ["exp-a", "exp-a-20260101T000000"]
+    assert _shown(render_page([b], [a, b])) == ["exp-b"]

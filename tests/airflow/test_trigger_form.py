@@ -1,4 +1,5 @@
-"""The trigger form may change hyperparameters only: it cannot run code, load files or redirect data."""
+"""The trigger form may change hyperparameters only, each up to its bound: it cannot run code, load files, redirect
+data or ask for unbounded work."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -36,6 +37,10 @@ REFUSED = {
     "experiment": "someone-else",
     "rollout.engine": "vllm",
     "rollout.batches_per_epoch": 64,
+    "access.fork_from": ["gsm8k"],
+    "access.write_to": ["gsm8k"],
+    "access.adopt": ["gsm8k-private"],
+    "trigger.bounds.rollout.max_new_tokens": 10**9,
 }
 
 
@@ -103,3 +108,102 @@ def test_scheduled_name_too_long_is_one_clear_error(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"'<experiment>-<timestamp>' \(129 characters"):
         build_dag(path)  # the deployer sees it when the DAG is imported, not at 3 a.m.
+
+
+# --- bounds: every key the form may set has an upper bound, checked before any compute ---------------------
+
+REFUSED_BOUNDS = [  # (params, the key named, its value, its bound in tiny_arith.yaml)
+    ({"group_size": 10**6}, "params.group_size (algorithm.group_size)", 10**6, "32 (4 x the DAG's 8)"),
+    ({"prompts_per_batch": 10**6}, "params.prompts_per_batch (rollout.prompts_per_batch)", 10**6,
+     "128 (4 x the DAG's 32)"),
+    ({"overrides": {"algorithm.ppo_epochs": 10**9}}, "algorithm.ppo_epochs", 10**9, "4 (4 x the DAG's 1)"),
+    ({"overrides": {"rollout.max_new_tokens": 10**9}}, "rollout.max_new_tokens", 10**9, "20 (4 x the DAG's 5)"),
+    ({"overrides": {"evaluate": {"max_prompts": 10**9}}}, "evaluate.max_prompts", 10**9, "800 (4 x the DAG's 200)"),
+    ({"overrides": {"algorithm.group_size": 10**6}}, "algorithm.group_size", 10**6, "32 (4 x the DAG's 8)"),
+]
+
+
+@pytest.mark.parametrize("params,key,value,bound", REFUSED_BOUNDS, ids=[r[1] for r in REFUSED_BOUNDS])
+def test_configure_refuses_a_value_over_its_bound(configure, tmp_path, params, key, value, bound):
+    with pytest.raises(ConfigError) as err:
+        configure.execute(_ctx(experiment="bounded", **params))
+    message = str(err.value)
+    assert f"{key}={value} exceeds its bound {bound}" in message, message
+    dotted = key.split("(")[-1].rstrip(")")
+    assert f"The DAG's author sets these bounds in {TINY}: trigger.bounds, e.g. trigger: {{bounds: {{{dotted}: N}}}}" \
+        in message, message
+    assert not (tmp_path / ".store").exists()  # refused before anything is written
+
+
+def test_the_epoch_cap_applies_when_the_yaml_does_not_set_epochs(tmp_path, monkeypatch):
+    """Without `epochs` in the YAML the DAG has the default's 8 epochs, and a run may ask for no more."""
+    monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
+    raw = yaml.safe_load((DAGS / "experiments" / "tiny_arith.yaml").read_text())
+    del raw["epochs"]
+    path = tmp_path / "no_epochs.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dag = build_dag(path)
+    assert len([t for t in dag.task_ids if t.endswith(".snapshot")]) == 8
+    assert dag.params.get_param("epochs").schema["maximum"] == 8
+    op = dag.get_task("configure")
+    for params in ({"overrides": {"epochs": 10**9}}, {"epochs": 10**9}, {"epochs": 9}):
+        with pytest.raises(ConfigError, match=r"epochs=\d+ exceeds its bound 8 \(the 8 epochs this DAG was built "
+                                              r"with\)\. The DAG's epochs are set in .*no_epochs.yaml"):
+            op.execute(_ctx(experiment="no-epochs", **params))
+    assert not (tmp_path / ".store").exists()
+    assert runconfig.resolve(path, {"experiment": "no-epochs", "epochs": 8}).epochs == 8
+
+
+def test_the_dags_author_sets_a_bound_in_the_yaml(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))
+    raw = yaml.safe_load((DAGS / "experiments" / "tiny_arith.yaml").read_text())
+    raw["trigger"] = {"bounds": {"rollout": {"max_new_tokens": 64}, "algorithm.group_size": 10}}
+    path = tmp_path / "bounded.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert runconfig.resolve(path, {"overrides": {"rollout.max_new_tokens": 64}}).rollout.max_new_tokens == 64
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=65 exceeds its bound 64 \(trigger.bounds in the "
+                                          r"YAML\)"):
+        runconfig.resolve(path, {"overrides": {"rollout.max_new_tokens": 65}})
+    with pytest.raises(ConfigError, match=r"params.group_size \(algorithm.group_size\)=11 exceeds its bound 10"):
+        runconfig.resolve(path, {"group_size": 11})
+    assert build_dag(path).params.get_param("group_size").schema["maximum"] == 10  # the form's own limit
+    raw["trigger"] = {"bounds": {"rollout.max_new_tokens": 4}}  # below the YAML's 5: the DAG does not import
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="trigger.bounds.rollout.max_new_tokens is 4, below the DAG's own"):
+        build_dag(path)
+    raw["trigger"] = {"bounds": {"rollout.engine": 4}}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="'rollout.engine', which is not a numeric key of the trigger form"):
+        build_dag(path)
+
+
+def test_every_key_the_form_may_set_declares_a_bound():
+    """A key added to a section the allow-list opens (algorithm.*, evaluate.*) must get a bound beside it."""
+    from pydantic import BaseModel
+
+    from verl_tasks.config import TRIGGER_BOUNDS, ExperimentConfig
+
+    def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            kind = field.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                out += keys(kind, f"{prefix}{name}.")
+            else:
+                out.append(prefix + name)
+        return out
+
+    settable = {key for key in keys(ExperimentConfig) if runconfig.trigger_overridable(key)}
+    assert settable == set(TRIGGER_BOUNDS), settable ^ set(TRIGGER_BOUNDS)
+
+
+def test_the_forms_numbers_carry_their_bounds():
+    params = build_dag(TINY).params
+    maxima = {name: params.get_param(name).schema["maximum"]
+              for name in ("epochs", "group_size", "prompts_per_batch", "lr", "temperature")}
+    assert maxima == {"epochs": 8, "group_size": 32, "prompts_per_batch": 128, "lr": pytest.approx(0.01),
+                      "temperature": 2.0}
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError):
+        params.get_param("group_size").resolve(10**6)

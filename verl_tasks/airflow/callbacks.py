@@ -28,6 +28,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from verl_tasks.errors import NotPermitted
 from verl_tasks.events import read_events, record_event
 from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import (
@@ -175,8 +176,20 @@ def _halt(context: dict[str, Any], cfg: Any, store: Any, failed: list[dict[str, 
     return summary
 
 
+def refused_by_owner(context: dict[str, Any]) -> bool:
+    """The task failed because its DAG may not write to the experiment: record nothing there, halt nothing."""
+    err = context.get("exception")
+    while err is not None:
+        if isinstance(err, NotPermitted):
+            return True
+        err = err.__cause__
+    return False
+
+
 def on_retry(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None:
     """Record the failed try; escalate when too many of the epoch's batches have failed since the last resume."""
+    if refused_by_owner(context):
+        return
     cfg, store, layout, unit, info = _unit_info(context)
     task = context["task"]
     record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, **info)
@@ -201,6 +214,9 @@ def on_failure(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None
     failed for good is left to the epoch's validate (it runs on ``all_done`` and records the
     skipped batches) while the batches failed for good still leave that share committed.
     """
+    if refused_by_owner(context):
+        log.warning("not recorded in the experiment: this DAG may not write to it (%s)", context.get("exception"))
+        return
     cfg, store, layout, unit, info = _unit_info(context)
     task = context["task"]
     record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True, **info)

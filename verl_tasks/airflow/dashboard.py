@@ -3,8 +3,9 @@
 :func:`experiment_view` gathers one experiment's status (per epoch and phase, per batch for
 the mapped phases), the attempts and durations of each unit from the event log, the
 snapshots with their size and verification state, the curves of the training metrics and
-the event log filtered by epoch and phase. :func:`store_experiments` lists the experiments
-a store holds (bounded). The templates in ``templates/`` turn the view into HTML.
+the event log filtered by epoch and phase. :func:`store_records` lists the experiments
+a store holds (bounded), each with the DAG it records. The templates in ``templates/``
+turn the view into HTML.
 
 Events are immutable files, so each one is parsed once per process (:data:`_EVENT_CACHE`)
 and a page reads at most :data:`MAX_EVENTS_READ` of them, the newest.
@@ -22,6 +23,7 @@ from typing import Any
 from verl_tasks.config import ExperimentConfig, check_name
 from verl_tasks.errors import ConfigError
 from verl_tasks.layout import Layout
+from verl_tasks.ownership import read_record
 from verl_tasks.phase_registry import BATCHED, PHASE_NAMES, PHASES
 from verl_tasks.store.base import NotFound, ObjectStore
 from verl_tasks.store.units import MARKER
@@ -291,18 +293,20 @@ def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | N
     }
 
 
-def store_experiments(store: ObjectStore, limit: int = MAX_EXPERIMENTS_LISTED) -> list[str]:
-    """The experiments in ``store``: its first ``limit`` top-level folders that hold ``experiment.json``."""
-    names = []
+def store_records(store: ObjectStore, limit: int = MAX_EXPERIMENTS_LISTED) -> dict[str, dict[str, Any]]:
+    """The experiments in ``store`` (its first ``limit`` top-level folders that hold ``experiment.json``), each
+    with that file as :func:`verl_tasks.ownership.read_record` reads it (the DAG it records)."""
+    records = {}
     for name in store.folders(limit):
         try:
             check_name(name)
         except ConfigError:
             continue
-        if store.exists(Layout(name).experiment_json):
-            names.append(name)
-    return names
+        record = read_record(store, name)
+        if record is not None:
+            records[name] = record
+    return records
 
 
-__all__ = ["experiment_view", "store_experiments", "curves_svg", "chart_rows", "filter_events",
+__all__ = ["experiment_view", "store_records", "curves_svg", "chart_rows", "filter_events",
            "recent_events", "EVENTS_SHOWN", "MAX_EVENTS_READ", "MAX_EXPERIMENTS_LISTED", "CURVES"]

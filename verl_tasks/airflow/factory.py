@@ -26,7 +26,7 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup
 from verl_tasks.airflow import callbacks, runconfig
 from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
 from verl_tasks.airflow.promotion import PromoteSnapshotOperator, promoted_asset
-from verl_tasks.config import NAME_PATTERN, TRIGGER_OVERRIDABLE, parse_config
+from verl_tasks.config import NAME_PATTERN, TRIGGER_OVERRIDABLE, parse_config, trigger_limits
 from verl_tasks.execution.lineage import RESUME_MODES
 from verl_tasks.phase_registry import PHASES
 
@@ -35,6 +35,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from airflow.sdk.definitions.mappedoperator import MappedOperator
 
 GPU_POOL = "verl_gpu"
+# Keys whose bound the form's description spells out: those that scale a run's work.
+_SCALING = ("algorithm.group_size", "algorithm.ppo_epochs", "rollout.max_new_tokens", "rollout.prompts_per_batch",
+            "evaluate.max_prompts")
 GPU_PHASES = ("rollout", "update")
 
 RETRY_DOC = (
@@ -51,7 +54,10 @@ def snapshot_asset(dag_id: str) -> Asset:
 
 
 def _params(raw: dict[str, Any], cfg) -> dict[str, Param]:
+    """The trigger form; each number's maximum is its bound (``config.TRIGGER_BOUNDS``, ``trigger.bounds``),
+    which ``configure`` checks again for ``overrides`` and for runs triggered through the REST API."""
     algo, roll = cfg.algorithm, cfg.rollout
+    limits = trigger_limits(cfg)
     current = {"lr": algo.lr, "group_size": algo.group_size, "temperature": roll.temperature, "kl_coef": algo.kl_coef,
                "clip_ratio_high": algo.clip_ratio_high, "prompts_per_batch": roll.prompts_per_batch}
     params = {
@@ -66,19 +72,23 @@ def _params(raw: dict[str, Any], cfg) -> dict[str, Param]:
                                description="A snapshot version of `parent`; empty: its latest snapshot."),
         "parent": Param(None, type=["null", "string"], title="Parent experiment (resume=snapshot)",
                         description=f"Defaults to {cfg.experiment!r}."),
-        "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=cfg.epochs, title="Epochs",
+        "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=int(limits["epochs"][0]), title="Epochs",
                         description="At most the epochs in the YAML (the DAG's shape); later epoch groups skip."),
         "overrides": Param({}, type="object", title="Other hyperparameters",
                            description='Dotted config keys, e.g. {"algorithm.clip_ratio_low": 0.2}; only '
-                                       + ", ".join(TRIGGER_OVERRIDABLE) + ". Everything else (model, data, "
-                                       "rewards, storage, resources) is set in the YAML by whoever deploys the DAG."),
+                                       + ", ".join(TRIGGER_OVERRIDABLE) + ", each up to its bound ("
+                                       + ", ".join(f"{k} <= {v[0]:g}" for k, v in limits.items()
+                                                   if k in _SCALING) + ", ...; trigger.bounds in the YAML). "
+                                       "Everything else (model, data, rewards, storage, resources) is set in the "
+                                       "YAML by whoever deploys the DAG."),
     }
     for name, (dotted, kind) in runconfig.HYPERPARAMETERS.items():
-        spec: dict[str, Any] = {"type": kind, "title": name, "description": f"config key {dotted}"}
+        limit = limits[dotted][0]
+        spec: dict[str, Any] = {"type": kind, "title": name, "description": f"config key {dotted}, at most {limit:g}"}
         if kind == "integer":
-            spec["minimum"] = 1
+            spec["minimum"], spec["maximum"] = 1, int(limit)
         else:
-            spec["minimum"] = 0
+            spec["minimum"], spec["maximum"] = 0, limit
         params[name] = Param(current[name], **spec)
     return params
 

@@ -48,6 +48,7 @@ from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.inline import record_summary
 from verl_tasks.execution.outcome import describe, error_from_result, is_deterministic
 from verl_tasks.layout import Layout
+from verl_tasks.ownership import DagAccess, check_may_write
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (the driver imports Ray)
     from verl_tasks.execution.driver import Running
@@ -72,6 +73,15 @@ class _RunConfigMixin:
         cfg = runconfig.resolve(self.config_path, context.get("params"), context.get("dag_run"), access.endpoint_url)
         return cfg, access
 
+    def dag_access(self, context: Any, cfg) -> DagAccess | None:
+        """The DAG of this run and what its YAML's ``access`` permits (:mod:`verl_tasks.ownership`);
+        None for an operator executed outside any DAG run, which is as ungoverned as the CLI."""
+        dag_id = run_dag_id(context, self)
+        if dag_id is None:
+            return None
+        raw = runconfig.read_yaml(self.config_path)
+        return DagAccess(dag_id, str(raw["experiment"]), self.config_path, cfg.schedule.parent, cfg.access)
+
     @staticmethod
     def store(cfg, access):
         from verl_tasks.store import open_store
@@ -95,6 +105,12 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
     The policy is :func:`verl_tasks.execution.lineage.start_experiment`, which
     ``verl-tasks run --resume-from`` uses too. An experiment in safe mode is refused,
     unless this try is the first after a person's Clear (which lifts safe mode).
+
+    Experiments belong to the DAG that made them (:mod:`verl_tasks.ownership`): a run may
+    write only to its own DAG's experiments (or to those of DAGs its YAML lists in
+    ``access.write_to``) and fork only from those ``access.fork_from`` permits; anything
+    else fails here with :class:`~verl_tasks.errors.NotPermitted`, before anything is written.
+    The trigger form's values were checked against their bounds by :func:`runconfig.resolve`.
     """
 
     ui_color = "#e8f0fe"
@@ -113,6 +129,8 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         params = dict(context.get("params") or {})
         cfg, access = self.resolve(context)
         store = self.store(cfg, access)
+        dag = self.dag_access(context, cfg)
+        check_may_write(store, cfg.experiment, dag)  # before lifting safe mode: another DAG's is never touched
         lift_safe_mode_if_cleared(context, cfg, store)
         halted = read_safe_mode(store, Layout(cfg.experiment))
         if halted is not None:
@@ -124,7 +142,7 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         version = params.get("from_snapshot")
         started = start_experiment(store, cfg, resume=mode, parent=parent if mode == "snapshot" else None,
                                    version=None if version is None else int(version),
-                                   scheduled_parent=cfg.schedule.parent if scheduled else None)
+                                   scheduled_parent=cfg.schedule.parent if scheduled else None, dag=dag)
         result = {**started, "epochs": cfg.epochs, "store": cfg.storage.uri}
         layout = Layout(cfg.experiment)
         done = [epoch for epoch in range(cfg.epochs) if epoch_done(cfg, store, layout, epoch, cfg.epochs)]
@@ -255,6 +273,8 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
         if reason:
             raise AirflowSkipException(reason)
         store = self.store(cfg, access)
+        with fail_fast(f"task {self.task_id}"):  # configure refused it already, unless it was marked success
+            check_may_write(store, cfg.experiment, self.dag_access(context, cfg))
         lift_safe_mode_if_cleared(context, cfg, store)
         spec = self._spec(cfg)
         unit = Layout(cfg.experiment).unit(self.phase, self.epoch, self.batch)
@@ -384,6 +404,15 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             from verl_tasks.execution import driver
 
             driver.cancel(self._running, "the Airflow task was killed (clear, mark failed or timeout)")
+
+
+def run_dag_id(context: Any, operator: Any) -> str | None:
+    """The id of the DAG this task runs in: its run's, else its own DAG's; None outside any DAG."""
+    for holder in (context.get("dag_run"), context.get("ti"), context.get("dag")):
+        dag_id = getattr(holder, "dag_id", None)
+        if isinstance(dag_id, str) and dag_id:
+            return dag_id
+    return operator.dag_id if operator.has_dag() else None
 
 
 def epoch_of(task_id: str) -> int | None:

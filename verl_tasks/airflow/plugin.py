@@ -8,11 +8,14 @@ experiments of DAGs the auth manager lets the user read: each YAML in ``dags/exp
 named after its stem, and the stores of other YAMLs are never opened.
 
 Experiments are listed from the stores (each root's top-level folders holding ``experiment.json``,
-bounded), so runs triggered under a new name appear. An experiment belongs to a DAG when it is that
-YAML's experiment, a scheduled ``<experiment>-<stamp>`` of it, named in one of the DAG's runs, or sits
-in a store no other YAML uses. ``?experiment=NAME`` finds it in any readable DAG's store;
-``?dag=ID`` narrows to one DAG; ``?epoch=E&phase=P`` filters the event log. A store the api-server
-cannot reach shows one calm line instead of its error.
+bounded), so runs triggered under a new name appear. Which DAG's readers see one is
+:func:`verl_tasks.ownership.may_see`: the DAG ``experiment.json`` records (or one whose YAML lists that
+DAG in ``access.write_to``); for an experiment that records no DAG (made by the CLI, or pinned before
+DAGs were recorded), the DAG whose YAML names it (its experiment, a scheduled ``<experiment>-<stamp>``,
+``access.adopt``), else the one DAG whose store it sits in when no other YAML uses that store. A name
+in a run's trigger form proves nothing and is not looked at. ``?experiment=NAME`` finds it in any
+readable DAG's store; ``?dag=ID`` narrows to one DAG; ``?epoch=E&phase=P`` filters the event log. A
+store the api-server cannot reach shows one calm line instead of its error.
 """
 from __future__ import annotations
 
@@ -29,13 +32,13 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (the plugin imports the package lazily)
+    from verl_tasks.ownership import DagAccess
     from verl_tasks.store import S3Options
 
 log = logging.getLogger(__name__)
 
 PREFIX = "/verl-tasks"
 SECTIONS_SHOWN = 6  # full sections on the overview; the rest are links
-RUNS_SCANNED = 2000  # newest DAG runs whose trigger form names an experiment
 # A page waits seconds, not minutes, for an S3 endpoint that is down (training keeps its patient client).
 PAGE_S3_OPTIONS: S3Options = {"max_attempts": 2, "connect_timeout": 3, "read_timeout": 20}
 
@@ -72,6 +75,7 @@ class Source:
     raw: dict[str, Any] = field(default_factory=dict)
     store: Any = None
     error: str | None = None
+    access: DagAccess | None = None  # what the YAML names and permits (verl_tasks.ownership)
 
     def config(self, experiment: str):
         from verl_tasks.config import parse_config
@@ -83,6 +87,7 @@ def open_source(dag_id: str, path: Path) -> Source:
     """Read the YAML and open its store with the YAML's ``storage.aws_conn_id`` (as the tasks do)."""
     from verl_tasks.airflow.runconfig import read_yaml
     from verl_tasks.config import parse_config
+    from verl_tasks.ownership import DagAccess
     from verl_tasks.store import absolute_uri, open_store
 
     source = Source(dag_id, path)
@@ -91,6 +96,7 @@ def open_source(dag_id: str, path: Path) -> Source:
         source.store_uri = absolute_uri((source.raw.get("storage") or {}).get("uri", "file://.store"))
         cfg = parse_config(source.raw, {"storage.uri": source.store_uri})
         source.experiment = cfg.experiment
+        source.access = DagAccess(dag_id, cfg.experiment, str(path), cfg.schedule.parent, cfg.access)
         s = cfg.storage
         access = _s3_access(s.aws_conn_id) if s.uri.startswith("s3://") else None
         source.store = open_store(
@@ -120,50 +126,33 @@ def unreachable(source: Source, err: Exception) -> str:
             f"access (storage.aws_conn_id or the AWS environment)")
 
 
-def run_experiments(dag_ids: set[str]) -> dict[str, str]:
-    """Experiment name -> DAG id, from the trigger forms of the newest runs of ``dag_ids``."""
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
+def owner(name: str, record: dict[str, Any] | None, source: Source, sources: list[Source]) -> bool:
+    """Whether readers of ``source``'s DAG see experiment ``name`` (its ``experiment.json`` is ``record``) found
+    in that DAG's store. See the module docstring and :mod:`verl_tasks.ownership`."""
+    from verl_tasks.ownership import may_see
 
-    if not dag_ids:
-        return {}
-    query = (select(DagRun.dag_id, DagRun.conf).where(DagRun.dag_id.in_(sorted(dag_ids)))
-             .order_by(DagRun.id.desc()).limit(RUNS_SCANNED))
-    named: dict[str, str] = {}
-    with create_session() as session:
-        for dag_id, conf in session.execute(query):
-            name = (conf or {}).get("experiment") if isinstance(conf, dict) else None
-            if isinstance(name, str):
-                named.setdefault(name, dag_id)
-    return named
+    if source.access is None:
+        return False
+    verdict = may_see(record, name, source.access)
+    if verdict is not None:
+        return verdict
+    return [s.store_uri for s in sources].count(source.store_uri) == 1  # no other YAML uses its store
 
 
-def owner(name: str, source: Source, sources: list[Source], named: dict[str, str]) -> bool:
-    """Whether experiment ``name`` found in ``source``'s store belongs to ``source``'s DAG."""
-    if name == source.experiment or named.get(name) == source.dag_id:
-        return True
-    # A scheduled run's experiment: ``<experiment>-%Y%m%dT%H%M%S`` (runconfig.scheduled_name, run_stamp).
-    stamp = name[len(source.experiment) + 1:] if name.startswith(source.experiment + "-") else ""
-    if len(stamp) == 15 and stamp[8] == "T" and stamp.replace("T", "").isdigit():
-        return True
-    claimed = {s.experiment for s in sources} | set(named)
-    sharing = [s for s in sources if s.store_uri == source.store_uri]
-    return name not in claimed and len(sharing) == 1
+def _list_store(source: Source) -> dict[str, dict[str, Any]]:
+    from verl_tasks.airflow.dashboard import store_records
+
+    return store_records(source.store)
 
 
-def _list_store(source: Source) -> list[str]:
-    from verl_tasks.airflow.dashboard import store_experiments
+def find_experiments(readable: list[Source], everyone: list[Source]) -> tuple[list[tuple[Source, str]], list[str]]:
+    """(source, experiment) pairs the readable DAGs may show, each experiment once (under the DAG that owns it
+    when that one is readable), and a notice per store that could not be listed."""
+    from verl_tasks.ownership import owner_of
 
-    return store_experiments(source.store)
-
-
-def find_experiments(readable: list[Source], everyone: list[Source], named: dict[str, str]
-                     ) -> tuple[list[tuple[Source, str]], list[str]]:
-    """(source, experiment) pairs the readable DAGs own, and a notice per store that could not be listed."""
-    found: list[tuple[Source, str]] = []
+    found: dict[tuple[str, str], tuple[Source, str]] = {}
     notices: list[str] = []
-    listed: dict[str, list[str] | None] = {}
+    listed: dict[str, dict[str, dict[str, Any]] | None] = {}
     for source in readable:
         if source.error:
             notices.append(source.error)
@@ -174,13 +163,20 @@ def find_experiments(readable: list[Source], everyone: list[Source], named: dict
             except Exception as err:  # noqa: BLE001 - an unreachable store is one line, not a traceback
                 listed[source.store_uri] = None
                 notices.append(unreachable(source, err))
-        names = listed[source.store_uri]
-        if names is None:
+        records = listed[source.store_uri]
+        if records is None:
             continue
-        if source.experiment not in names:  # the DAG's own experiment shows before its first run
+        names = list(records)
+        if source.experiment not in records:  # the DAG's own experiment shows before its first run
             names = [source.experiment, *names]
-        found += [(source, name) for name in names if owner(name, source, everyone, named)]
-    return found, notices
+        for name in names:
+            record = records.get(name)
+            if not owner(name, record, source, everyone):
+                continue
+            key = (source.store_uri, name)
+            if key not in found or owner_of(record) == source.dag_id:
+                found[key] = (source, name)
+    return list(found.values()), notices
 
 
 @functools.lru_cache(maxsize=1)
@@ -213,11 +209,11 @@ def _is_access_error(err: Exception) -> bool:
     return isinstance(err, (StoreError, BotoCoreError, PermissionError))
 
 
-def render_page(readable: list[Source], everyone: list[Source], named: dict[str, str], *,
+def render_page(readable: list[Source], everyone: list[Source], *,
                 experiment: str | None = None, dag: str | None = None, epoch: int | None = None,
                 phase: str | None = None) -> str:
     """The whole page for the DAGs a user may read."""
-    found, notices = find_experiments(readable, everyone, named)
+    found, notices = find_experiments(readable, everyone)
     listed = [{"name": name, "dag": source.dag_id} for source, name in found]
     if experiment:
         chosen = [(s, n) for s, n in found if n == experiment]
@@ -266,8 +262,8 @@ async def airflow_user(request: Request,
     return await get_user(request, _oauth_token=None, bearer_credentials=credentials)
 
 
-def _readable_sources(user, dag: str | None) -> tuple[list[Source], list[Source], dict[str, str]]:
-    """(sources the user may read, all sources, experiment names of the readable DAGs' runs)."""
+def _readable_sources(user, dag: str | None) -> tuple[list[Source], list[Source]]:
+    """(sources the user may read, all sources)."""
     from fastapi import HTTPException
 
     yamls = experiment_yamls()
@@ -278,12 +274,13 @@ def _readable_sources(user, dag: str | None) -> tuple[list[Source], list[Source]
     everyone = [open_source(dag_id, path) if dag_id in readable else _unopened(dag_id, path)
                 for dag_id, path in yamls.items()]
     by_id = {s.dag_id: s for s in everyone}
-    return [by_id[d] for d in shown], everyone, run_experiments(readable)
+    return [by_id[d] for d in shown], everyone
 
 
 def _unopened(dag_id: str, path: Path) -> Source:
     """A YAML the user may not read: only its experiment name and store URI (to attribute names); no store."""
     from verl_tasks.airflow.runconfig import read_yaml
+    from verl_tasks.ownership import DagAccess
     from verl_tasks.store import absolute_uri
 
     source = Source(dag_id, path)
@@ -291,6 +288,7 @@ def _unopened(dag_id: str, path: Path) -> Source:
         raw = read_yaml(path)
         source.experiment = str(raw.get("experiment", ""))
         source.store_uri = absolute_uri((raw.get("storage") or {}).get("uri", "file://.store"))
+        source.access = DagAccess.from_yaml(dag_id, raw, str(path))
     except Exception as err:  # noqa: BLE001 - unreadable YAML: it claims nothing
         source.error = str(err)
     return source
@@ -316,15 +314,15 @@ def create_app():
     @app.get("/", response_class=HTMLResponse)
     def dashboard(user=Depends(airflow_user), experiment: str | None = Query(None), dag: str | None = Query(None),
                   epoch: str | None = Query(None), phase: str | None = Query(None)) -> str:
-        readable, everyone, named = _readable_sources(user, dag or None)
-        return render_page(readable, everyone, named, experiment=experiment or None, dag=dag,
+        readable, everyone = _readable_sources(user, dag or None)
+        return render_page(readable, everyone, experiment=experiment or None, dag=dag,
                            epoch=_epoch(epoch), phase=phase or None)
 
     @app.get("/unit", response_class=HTMLResponse)
     def unit(user=Depends(airflow_user), dag: str = Query(...), experiment: str = Query(...),
              key: str = Query(...)) -> str:
-        readable, everyone, named = _readable_sources(user, dag)
-        found, _ = find_experiments(readable, everyone, named)
+        readable, everyone = _readable_sources(user, dag)
+        found, _ = find_experiments(readable, everyone)
         source = next((s for s, name in found if name == experiment), None)
         if source is None or not key.startswith(experiment + "/"):
             raise HTTPException(404, f"no unit {key!r} of experiment {experiment!r} in DAG {dag!r}")
@@ -333,8 +331,8 @@ def create_app():
     @app.get("/metrics")
     def metrics(user=Depends(airflow_user), dag: str | None = Query(None), experiment: str | None = Query(None)):
         """Prometheus text of the experiments the user may read (``?dag=ID``, ``?experiment=NAME`` narrow it)."""
-        readable, everyone, named = _readable_sources(user, dag or None)
-        return metrics_response(find_experiments(readable, everyone, named)[0], experiment or None)
+        readable, everyone = _readable_sources(user, dag or None)
+        return metrics_response(find_experiments(readable, everyone)[0], experiment or None)
 
     def _epoch(value: str | None) -> int | None:
         if not value:

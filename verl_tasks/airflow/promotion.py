@@ -56,12 +56,15 @@ class PromoteSnapshotOperator(_RunConfigMixin, BaseOperator):
         from verl_tasks.events import record_event
         from verl_tasks.layout import Layout
         from verl_tasks.ops.promotion import PROMOTION, decide
+        from verl_tasks.ownership import check_may_write
         from verl_tasks.store.conventions import WEIGHTS
         from verl_tasks.store.units import read_marker
 
         with fail_fast(f"task {self.task_id}"):
             cfg, access = self.resolve(context)
         store = self.store(cfg, access)
+        with fail_fast(f"task {self.task_id}"):
+            check_may_write(store, cfg.experiment, self.dag_access(context, cfg))
         layout = Layout(cfg.experiment)
         decision = decide(store, layout, cfg.epochs - 1, cfg.schedule.promote_margin)
         record_event(store, layout, PROMOTION, **decision.to_dict())

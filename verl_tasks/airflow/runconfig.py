@@ -12,7 +12,16 @@ from typing import Any
 
 import yaml
 
-from verl_tasks.config import TRIGGER_OVERRIDABLE, ExperimentConfig, check_name, flatten, parse_config
+from verl_tasks.config import (
+    TRIGGER_BOUNDS,
+    TRIGGER_OVERRIDABLE,
+    ExperimentConfig,
+    check_name,
+    flatten,
+    parse_config,
+    trigger_limits,
+    value_at,
+)
 from verl_tasks.errors import ConfigError
 from verl_tasks.store import absolute_uri
 
@@ -99,19 +108,57 @@ def overrides_from(params: dict[str, Any], yaml_path: str | Path = "the DAG's YA
     return out
 
 
+def dag_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """The DAG's own config: its YAML alone, defaults included (the base of the trigger form's bounds)."""
+    return parse_config(raw, {"storage.uri": absolute_uri((raw.get("storage") or {}).get("uri", "file://.store"))})
+
+
+def check_bounds(cfg: ExperimentConfig, own: ExperimentConfig, keys: set[str], params: dict[str, Any],
+                 yaml_path: str | Path) -> None:
+    """Refuse a run whose trigger form set ``keys`` beyond their bounds (``config.TRIGGER_BOUNDS``).
+
+    Compares the run's parsed values (``epochs`` always, defaults included) against the bounds of the
+    DAG's own config ``own``. Raises ConfigError naming each key, its value, its bound and where the
+    DAG's author sets it.
+    """
+    limits = trigger_limits(own)
+    form_field = {dotted: name for name, (dotted, _) in HYPERPARAMETERS.items() if params.get(name) is not None}
+    refused: list[str] = []
+    over: list[str] = []
+    for key in sorted(keys | {"epochs"}):
+        if key not in TRIGGER_BOUNDS:
+            refused.append(f"{key}: no bound is declared for it (config.TRIGGER_BOUNDS)")
+            continue
+        if key not in limits:
+            continue  # a choice or a switch: its type bounds it
+        value = value_at(cfg, key)
+        limit, how = limits[key]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, (int, float)) and v > limit for v in values):
+            shown = f"params.{form_field[key]} ({key})" if key in form_field else key
+            refused.append(f"{shown}={value} exceeds its bound {limit:g} ({how})")
+            over.append(key)
+    if not refused:
+        return
+    where = [k for k in over if k != "epochs"]
+    fix = (f" The DAG's author sets these bounds in {yaml_path}: trigger.bounds, e.g. "
+           f"trigger: {{bounds: {{{where[0]}: N}}}}." if where else "")
+    if "epochs" in over:
+        fix += f" The DAG's epochs are set in {yaml_path} by whoever deploys it."
+    raise ConfigError("the trigger form asks for more than this DAG allows: " + "; ".join(refused) + "." + fix)
+
+
 def resolve(yaml_path: str | Path, params: dict[str, Any] | None, dag_run: Any = None,
             endpoint_url: str | None = None) -> ExperimentConfig:
-    """The run's config. Raises ConfigError naming the bad key."""
+    """The run's config. Raises ConfigError naming the bad key, or a key set beyond its bound."""
     params = dict(params or {})
     raw = read_yaml(yaml_path)
     overrides = overrides_from(params, yaml_path)
+    asked = set(overrides)
     overrides["experiment"] = experiment_name(raw, params, dag_run)
     overrides["storage.uri"] = absolute_uri((raw.get("storage") or {}).get("uri", "file://.store"))
     if endpoint_url and not (raw.get("storage") or {}).get("endpoint_url"):
         overrides["storage.endpoint_url"] = endpoint_url
     cfg = parse_config(raw, overrides)
-    dag_epochs = int(raw.get("epochs", cfg.epochs))
-    if cfg.epochs > dag_epochs:
-        raise ConfigError(f"params.epochs={cfg.epochs} exceeds the {dag_epochs} epochs this DAG was built with; "
-                          f"raise epochs in {yaml_path} (the DAG's shape) instead")
+    check_bounds(cfg, dag_config(raw), asked, params, yaml_path)
     return cfg

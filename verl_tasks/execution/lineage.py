@@ -11,7 +11,9 @@ parent snapshot, never rebuilt from the configured model.
 
 :func:`start_experiment` is the resume/fork policy (latest, fresh, from a snapshot,
 scheduled child of a parent), shared by Airflow's ``configure`` task and
-``verl-tasks run --resume-from EXPERIMENT[:VERSION]``.
+``verl-tasks run --resume-from EXPERIMENT[:VERSION]``. An Airflow run passes its DAG: it may
+write only to experiments its DAG may reach and fork only from those its YAML permits
+(:mod:`verl_tasks.ownership`), both checked before anything is copied or pinned.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any
 from verl_tasks.config import ExperimentConfig, check_name
 from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.layout import Layout
+from verl_tasks.ownership import DagAccess, check_fork, check_write, read_record
 from verl_tasks.pinning import pin_experiment, read_pin
 from verl_tasks.store import conventions
 from verl_tasks.store.base import ObjectStore
@@ -144,7 +147,7 @@ def parse_source(text: str) -> tuple[str, int | None]:
 
 def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: str = "latest",
                      parent: str | None = None, version: int | None = None,
-                     scheduled_parent: str | None = None) -> dict[str, Any]:
+                     scheduled_parent: str | None = None, dag: DagAccess | None = None) -> dict[str, Any]:
     """Apply the resume/fork policy, then pin the experiment: Airflow's ``configure`` and ``verl-tasks run``.
 
     Args:
@@ -156,16 +159,25 @@ def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: st
         scheduled_parent: continual training; the base is this experiment's latest snapshot
             when it has one, else the configured base model. A child that already started
             keeps its base when the run is cleared or rerun after the parent moved on.
+        dag: the Airflow DAG of the run (None: the CLI). Before anything is read from a parent or
+            written, the run must be allowed to write to the experiment and to fork from the parent
+            (:mod:`verl_tasks.ownership`); the pin records the DAG as the owner.
     Returns:
         ``experiment``, ``config_hash``, ``resume`` and ``parent`` (the pinned origin or None).
     Raises:
         ConfigError: an unknown mode, a fresh name that exists, a fork onto itself or from a
             missing snapshot, or a name that already starts from another snapshot.
+        NotPermitted: ``dag`` may not write to the experiment or start from the parent.
         ConfigMismatch: the experiment is pinned with another config.
     """
     if resume not in RESUME_MODES:
         raise ConfigError(f"resume={resume!r}; use one of {RESUME_MODES}")
     layout = Layout(config.experiment)
+    check_write(read_record(store, config.experiment), config.experiment, dag)
+    if resume == "snapshot" and parent:
+        check_fork(read_record(store, check_name(parent)), parent, dag)
+    elif resume != "snapshot" and scheduled_parent:
+        check_fork(read_record(store, check_name(scheduled_parent)), scheduled_parent, dag)
     if resume == "fresh" and store.exists(layout.experiment_json):
         raise ConfigError(f"experiment {config.experiment!r} already exists in {config.storage.uri}; "
                           f"pick a new name or use resume=latest")
@@ -177,7 +189,7 @@ def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: st
                                    recorded_origin(store, config.experiment))
     origin = seed_base_from(store, config.experiment, source[0], source[1], config.seed)["parent"] if source else None
     # The pinning module, not the phases: configure stays torch-free (importing torch was 1.4 s of its 1.5 s).
-    pinned = pin_experiment(SimpleNamespace(config=config, store=store, layout=layout), parent=origin)
+    pinned = pin_experiment(SimpleNamespace(config=config, store=store, layout=layout), parent=origin, dag=dag)
     log.info("experiment %s pinned (config %s) in %s; resume=%s parent=%s",
              config.experiment, config.config_hash()[:12], config.storage.uri, resume, origin)
     return {"experiment": config.experiment, "config_hash": config.config_hash(), "resume": resume,

@@ -5,23 +5,34 @@ running task may still be writing it: its unit has a marker naming another
 attempt, or nothing was written in it for the phase's timeout plus a margin
 (``garbage_attempts``). It must also be older than ``older_than``, and no
 younger tombstone or quarantine record may name it (rolled-back data is kept
-for that long). Half-written ``.tmp-`` files of a local store older than the
-margin are swept too.
+for that long). A local store's ``.tmp-`` files follow the same rule: those in
+an attempt folder (half-written files, and finished ones waiting in a staging
+folder for the rest) count as its writes and go only with it; any other goes
+when idle for its phase's timeout plus the margin and older than ``older_than``.
 """
 from __future__ import annotations
 
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from verl_tasks.errors import ConfigError
+from verl_tasks.errors import ConfigError, IntegrityError
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.ops.rollback import tombstone_units
 from verl_tasks.store.base import ObjectStore
 from verl_tasks.store.conventions import quarantine_records
-from verl_tasks.store.units import ATTEMPTS, FENCED, IDLE_MARGIN_S, garbage_attempts, stamp_time
+from verl_tasks.store.units import (
+    ATTEMPTS,
+    FENCED,
+    IDLE_MARGIN_S,
+    attempt_of,
+    garbage_attempts,
+    read_marker,
+    stamp_time,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,29 @@ def phase_of(layout: Layout, unit: str) -> str:
     if parts[0] == "snapshots":
         return "snapshot" if parts[1:2] != ["00000"] else "plan"
     return "evaluate" if parts[0] == "base" else "plan"  # data/ and the base snapshot: the first plan
+
+
+def _dead_temp_files(store: ObjectStore, dead_attempts: list[str], cutoff: float, now: float,
+                     idle_limit: Callable[[str], float], prefix: str) -> list[str]:
+    """``.tmp-`` files whose writer is surely gone. One in an uncommitted attempt's folder goes with that
+    attempt, never alone: a finished file may wait hours in a live attempt's staging folder for the rest."""
+    dead = {attempt_of(folder) for folder in dead_attempts}
+    out = []
+    for key, mtime in store.temp_files(prefix).items():
+        owner = attempt_of(key)
+        idle = mtime <= cutoff and now - mtime > idle_limit(key.rsplit("/", 1)[0])
+        # Else only beside the units, or left in a committed attempt by a writer that died.
+        if owner in dead or (idle and (owner is None or _committed_as(store, *owner))):
+            out.append(key)
+    return sorted(out)
+
+
+def _committed_as(store: ObjectStore, unit: str, attempt: str) -> bool:
+    try:
+        record = read_marker(store, unit)
+    except IntegrityError:
+        return False
+    return record is not None and record.attempt == attempt
 
 
 @dataclass
@@ -101,7 +135,7 @@ def collect(store: ObjectStore, layout: Layout, older_than_s: float, dry_run: bo
             report.kept_recent += 1
             continue
         report.attempts.append(prefix)
-    report.temp_files = sorted(k for k, mtime in store.temp_files(layout.root + "/").items() if now - mtime > margin_s)
+    report.temp_files = _dead_temp_files(store, report.attempts, cutoff, now, idle_limit, layout.root + "/")
     # A fence outlives its attempt only to refuse a late commit; past the horizon that attempt is long dead.
     # Any unit may be fenced (a snapshot's, the base evaluation's too), not only an epoch's.
     report.fence_records = sorted(k for k, mtime in store.list_modified(layout.root + "/").items()

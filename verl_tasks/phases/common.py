@@ -33,7 +33,15 @@ from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
 from verl_tasks.store.conventions import check_not_pruned, optimizer_state_id
-from verl_tasks.store.units import CommitRecord, UnitWriter, check_not_fenced, download, quarantine, read_marker
+from verl_tasks.store.units import (
+    CommitRecord,
+    ConfigPin,
+    UnitWriter,
+    check_not_fenced,
+    download,
+    quarantine,
+    read_marker,
+)
 from verl_tasks.tracking import track_commit
 
 log = logging.getLogger(__name__)
@@ -128,7 +136,9 @@ def run_unit(
     # An attempt cancelled while it waited in an actor's queue: its commit would be refused anyway, after the work.
     check_not_fenced(ctx.store, unit, ctx.attempt)
     set_determinism(ctx.config)
-    writer = UnitWriter(ctx.store, unit, ctx.attempt)
+    # The pin is checked again inside commit: the experiment may be re-pinned while this attempt computes.
+    pin = ConfigPin(ctx.layout.experiment_json, ctx.config.config_hash())
+    writer = UnitWriter(ctx.store, unit, ctx.attempt, pin=pin)
     started = time.monotonic()
     record_event(ctx.store, ctx.layout, "started", attempt=writer.attempt, **ids)
     try:

@@ -58,6 +58,17 @@ class ObjectStore(abc.ABC):
         return None  # deliberately a no-op by default (not abstract): stores that defer fsyncs override it
 
     @abc.abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """``key``'s bytes and a token naming this version of it, for ``put_if_match``. Raises NotFound."""
+
+    @abc.abstractmethod
+    def put_if_match(self, key: str, data: bytes, version: str) -> bool:
+        """Replace ``key`` only if it still holds ``version`` (from ``get_versioned``): a compare-and-swap.
+
+        Returns False, writing nothing, when ``key`` changed since or is gone.
+        """
+
+    @abc.abstractmethod
     def put_file(self, key: str, path: Path) -> None:
         """Upload a local file (multipart for large files on S3)."""
 
@@ -79,6 +90,17 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Every key under ``prefix`` (recursive), sorted."""
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` -> its size in bytes, from one listing where the backend has one
+        (how a commit checks that every file its marker will list is there)."""
+        out = {}
+        for key in self.list(prefix):
+            try:
+                out[key] = self.size(key)
+            except NotFound:  # deleted since the listing
+                continue
+        return out
 
     @abc.abstractmethod
     def folders(self, limit: int) -> builtins.list[str]:  # builtins: ``list`` is the method above

@@ -4,6 +4,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import fcntl
+import hashlib
 import os
 import queue
 import shutil
@@ -121,6 +123,41 @@ class LocalStore(ObjectStore):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(key) from None
 
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The bytes and their sha256: the version is the content, so an unchanged file always matches."""
+        data = self.get(key)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def put_if_match(self, key: str, data: bytes, version: str) -> bool:
+        """Compare and swap under an exclusive ``flock`` of the key's lock file (``.locks/`` at the root):
+        every ``put_if_match`` of the key takes it, so the compare and the rename are one step for them.
+        The kernel drops the lock when its holder dies: no stale lock to break."""
+        with self._locked(key):
+            try:
+                current = self._path(key).read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            if hashlib.sha256(current).hexdigest() != version:
+                return False
+            self.put(key, data)
+            return True
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        folder = self.root / _LOCKS
+        self._makedirs(folder)
+        path = folder / (hashlib.sha256(check_key(key).encode()).hexdigest()[:32] + ".lock")
+        with _CAS_LOCK:  # a flock emulated over NFS is per process: threads of one process wait here
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            except PermissionError:  # another user's lock file on a shared volume: a local flock needs no write
+                fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
+
     def get_file(self, key: str, path: Path) -> None:
         source = self._path(key)
         if not source.is_file():
@@ -149,6 +186,15 @@ class LocalStore(ObjectStore):
                 out.extend(Path(dirpath, name) for name in files if temp)
                 continue
             out.extend(Path(dirpath, name) for name in files if name.startswith(".tmp-") == temp)
+        return out
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        out = {}
+        for path in self._walk(prefix, temp=False):
+            try:
+                out[self._key_of(path)] = path.stat().st_size
+            except FileNotFoundError:  # renamed or deleted since the walk
+                continue
         return out
 
     def _staged(self, folder: str) -> bool:
@@ -252,6 +298,8 @@ class LocalStore(ObjectStore):
 
 
 _IN_FLIGHT = f"{os.sep}.tmp-"  # a path through a staging folder
+_LOCKS = ".locks"  # the lock files of put_if_match, at the store's root (no experiment lists it)
+_CAS_LOCK = threading.Lock()
 
 
 def _in_flight_name(folder: Path) -> Path:

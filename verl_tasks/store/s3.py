@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import builtins
 import functools
+import logging
+import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,13 +20,14 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
-from verl_tasks.errors import StoreError
+from verl_tasks.errors import StoreError, WriteConflict
 from verl_tasks.store.base import NotFound, ObjectStore, check_key
 
+log = logging.getLogger(__name__)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}
-# S3 answers 409 ConditionalRequestConflict when two conditional writes race; the
-# loser must read the winner's marker, so it is treated like "already exists".
+# S3 answers 409 ConditionalRequestConflict while another conditional write (or a delete) of the
+# key is in flight: undecided, not "exists". The write is retried with backoff (botocore does not).
 _RACE = {"ConditionalRequestConflict", "409"}
 # Wrong or missing permission: retrying cannot help, a person must fix credentials or the bucket policy.
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
@@ -114,17 +118,66 @@ class S3Store(ObjectStore):
 
     @_explained
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        """``IfNoneMatch="*"``. Raises WriteConflict when every try got a 409 (see ``_conditional_put``)."""
+        return self._conditional_put(key, data, IfNoneMatch="*")
+
+    @_explained
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The bytes and the ETag they were read with."""
         try:
-            self.client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*", **self.sse_args
-            )
-            return True
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as err:
-            if self._code(err) in _EXISTS or self._code(err) in _RACE:
-                return False
-            if self._code(err) in _DENIED:
-                raise
-            raise StoreError(f"conditional write of {key} failed: {self._code(err)}") from err
+            if self._code(err) in _MISSING:
+                raise NotFound(key) from None
+            raise
+        return resp["Body"].read(), str(resp["ETag"])
+
+    @_explained
+    def put_if_match(self, key: str, data: bytes, version: str) -> bool:
+        """``IfMatch=<ETag>`` (AWS S3 since 2024-11, MinIO and moto server honour it): False when the
+        object changed (412) or is gone (404). Raises WriteConflict when every try got a 409."""
+        return self._conditional_put(key, data, IfMatch=version)
+
+    # Tries of a conditional write answered 409, and the first backoff (doubled each time, jittered):
+    # 0.05 + 0.1 + ... + 1.6 s, about 3 s in all before the write is reported undecided.
+    conflict_tries = 7
+    conflict_backoff_s = 0.05
+
+    def _conditional_put(self, key: str, data: bytes, **condition: str) -> bool:
+        """One conditional ``put_object``: True when written, False when the condition failed (412, or 404
+        for ``IfMatch`` on a missing object).
+
+        A 409 ConditionalRequestConflict decides nothing (a concurrent conditional write or delete of the
+        key was in flight, possibly this client's own earlier try whose reply was lost): the write is tried
+        again after a jittered, doubling backoff; the next try then meets the finished write's object (412)
+        or writes.
+
+        Raises:
+            WriteConflict: every one of ``conflict_tries`` tries was answered 409; nothing is known to be written.
+            StoreError: any other refusal.
+        """
+        delay = self.conflict_backoff_s
+        for attempt in range(1, self.conflict_tries + 1):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **condition,
+                                       **self.sse_args)
+                return True
+            except ClientError as err:
+                code = self._code(err)
+                if code in _EXISTS or ("IfMatch" in condition and code in _MISSING):
+                    return False
+                if code in _DENIED:
+                    raise
+                if code not in _RACE:
+                    raise StoreError(f"conditional write of {self.url(key)} failed: {code}") from err
+            if attempt < self.conflict_tries:
+                log.info("conditional write of %s: 409 ConditionalRequestConflict (try %d), again in %.2f s",
+                         self.url(key), attempt, delay)
+                time.sleep(delay * random.uniform(0.5, 1.0))
+                delay *= 2
+        raise WriteConflict(key, f"conditional write of {self.url(key)} undecided: S3 answered 409 "
+                                 f"ConditionalRequestConflict to all {self.conflict_tries} tries (another write "
+                                 f"of the key kept being in flight); nothing is known to be written: retry")
 
     @_explained
     def put_file(self, key: str, path: Path) -> None:
@@ -193,6 +246,14 @@ class S3Store(ObjectStore):
         for page in pages:
             names.extend(item["Prefix"][len(root):].rstrip("/") for item in page.get("CommonPrefixes", []))
         return sorted(names)[:limit]
+
+    @_explained
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """One listing (1000 keys a page), not a HEAD per key."""
+        full = self._key(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        paginator = self.client.get_paginator("list_objects_v2")
+        return {self._strip(item["Key"]): int(item["Size"])
+                for page in paginator.paginate(Bucket=self.bucket, Prefix=full) for item in page.get("Contents", [])}
 
     @_explained
     def list_modified(self, prefix: str) -> dict[str, float]:

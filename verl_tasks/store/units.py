@@ -9,6 +9,13 @@ The marker write is the commit point. It names the attempt and lists each
 file's size and sha256, so a reader can verify what it reads. Two attempts that
 race on one unit both write their own attempt folder; exactly one creates the
 marker, the loser deletes its folder and returns the winner's record.
+
+Before the marker is written, ``commit`` checks that the attempt is not fenced,
+that it was computed under the config the experiment is pinned to (when the
+writer carries a ``ConfigPin``), and that every file it lists is there with its
+size (one listing). The pin is read again after the marker is written: a re-pin
+that landed in between sets the unit aside (``quarantine``), so no unit computed
+under an old config stays committed after a re-pin (``verl_tasks.pinning``).
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verl_tasks.errors import AttemptFenced, IntegrityError, StoreError
+from verl_tasks.errors import AttemptFenced, ConfigRepinned, IntegrityError, StoreError, WriteConflict
 from verl_tasks.store.base import NotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -80,6 +87,8 @@ class CommitRecord:
     files: dict[str, FileEntry]
     meta: dict[str, Any] = field(default_factory=dict)
     committed_at: float = 0.0
+    # The experiment's config hash the unit was computed under (None: written without a pin check).
+    config_hash: str | None = None
 
     def key(self, name: str) -> str:
         if name not in self.files:
@@ -98,7 +107,9 @@ class CommitRecord:
             files = {name: FileEntry(int(e["size"]), str(e["sha256"])) for name, e in body["files"].items()}
             if body["unit"] != unit:
                 raise ValueError(f"marker names unit {body['unit']!r}")
-            return cls(unit, str(body["attempt"]), files, dict(body.get("meta", {})), float(body["committed_at"]))
+            pinned = body.get("config_hash")
+            return cls(unit, str(body["attempt"]), files, dict(body.get("meta", {})), float(body["committed_at"]),
+                       str(pinned) if pinned is not None else None)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise IntegrityError(unit, [f"corrupt {MARKER} marker ({err})"]) from None
 
@@ -134,18 +145,50 @@ def is_pruned(store: ObjectStore, unit: str) -> bool:
     return store.exists(f"{unit}/{PRUNED}")
 
 
+@dataclass(frozen=True)
+class ConfigPin:
+    """The config an attempt computes under: ``key`` is the experiment's ``experiment.json``, whose
+    ``config_hash`` must still be ``config_hash`` when the attempt commits."""
+
+    key: str
+    config_hash: str
+
+
+def pinned_hash(store: ObjectStore, key: str) -> str | None:
+    """The ``config_hash`` of the pin at ``key``; None when there is none (nothing pinned yet).
+
+    Raises:
+        StoreError: the pin is damaged, so no commit can be checked against it.
+    """
+    try:
+        data = store.get(key)
+    except NotFound:
+        return None
+    try:
+        return str(json.loads(data)["config_hash"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise StoreError(f"{store.url(key)} is damaged ({type(err).__name__}); no unit can be checked against "
+                         f"the experiment's config pin, so none is committed: restore it, or delete it to pin "
+                         f"the current config again") from None
+
+
 class UnitWriter:
     """Collects a unit's files under a fresh attempt prefix, then commits them.
 
     Use ``write_bytes``/``write_json``/``write_file`` for each file, then
     ``commit(meta)``. Nothing is visible to readers until ``commit`` succeeds.
+    ``pin``: the config the attempt computes under; ``commit`` refuses once the
+    experiment is pinned to another (``ConfigRepinned``). ``expect`` names files
+    the manifest must hold.
     """
 
-    def __init__(self, store: ObjectStore, unit: str, attempt: str | None = None):
+    def __init__(self, store: ObjectStore, unit: str, attempt: str | None = None, *, pin: ConfigPin | None = None):
         self.store = store
         self.unit = unit
         self.attempt = attempt or new_attempt_id()
+        self.pin = pin
         self.files: dict[str, FileEntry] = {}
+        self.expected: set[str] = set()
 
     def _attempt_key(self, name: str) -> str:
         if "/" in name or name.startswith(".") or name == MARKER:
@@ -185,24 +228,58 @@ class UnitWriter:
         self.store.copy(record.key(name), self._attempt_key(target))
         self.files[target] = record.files[name]
 
+    def expect(self, *names: str) -> None:
+        """Files the manifest must list. A file lost before it was listed (deleted from a staging folder
+        before its block ended) is absent from the manifest itself, so no check of the listed files finds it."""
+        self.expected.update(names)
+
     def _missing_files(self) -> list[str]:
-        """Listed files that are gone or changed size since written (e.g. removed by a racing ``gc``)."""
-        missing = []
+        """Expected files never listed, and listed files that are gone or changed size since written (e.g.
+        removed by a racing ``gc``): one listing of the attempt's folder (a LIST on S3, not a HEAD per file)."""
+        prefix = f"{self.unit}/{ATTEMPTS}/{self.attempt}/"
+        present = self.store.sizes(prefix) if self.files else {}
+        missing = [f"{name}: never written" for name in sorted(self.expected - set(self.files))]
         for name, entry in sorted(self.files.items()):
-            try:
-                size = self.store.size(self._attempt_key(name))
-            except NotFound:
+            size = present.get(prefix + name)
+            if size is None:
                 missing.append(f"{name}: missing")
-                continue
-            if size != entry.size:
+            elif size != entry.size:
                 missing.append(f"{name}: {size} bytes, written {entry.size}")
         return missing
+
+    def _check_pin(self) -> None:
+        """Refuse (discarding the attempt) when the experiment is no longer pinned to this attempt's config."""
+        if self.pin is None:
+            return
+        pinned = pinned_hash(self.store, self.pin.key)
+        if pinned is not None and pinned != self.pin.config_hash:
+            self.discard()
+            raise ConfigRepinned(self.unit, self.attempt, self.pin.config_hash, pinned)
+
+    def _published(self, record: CommitRecord) -> tuple[CommitRecord, bool]:
+        """Our marker is written: read the pin again. A re-pin that landed between the check before the
+        marker and the marker itself sets the unit aside again (its re-scan may have run before our marker)."""
+        if self.pin is not None:
+            pinned = pinned_hash(self.store, self.pin.key)
+            if pinned is not None and pinned != self.pin.config_hash:
+                mine = read_marker(self.store, self.unit)
+                if mine is not None and mine.attempt == self.attempt:
+                    quarantine(self.store, self.unit, f"committed under config {self.pin.config_hash[:12]} while "
+                                                      f"the experiment was re-pinned to {pinned[:12]}")
+                raise ConfigRepinned(self.unit, self.attempt, self.pin.config_hash, pinned)
+        return record, True
 
     def commit(self, meta: dict[str, Any] | None = None) -> tuple[CommitRecord, bool]:
         """Create the marker if absent. Returns (record, won); a loser gets the winner's record.
 
         Raises:
-            StoreError: a listed file of this attempt is gone, so a marker would point at nothing.
+            AttemptFenced: the attempt was cancelled (its files are discarded).
+            ConfigRepinned: the experiment was re-pinned to another config than ``pin``'s (nothing stays
+                committed; the files are discarded, or set aside when the re-pin raced the marker).
+            StoreError: a listed file of this attempt is gone, so a marker would point at nothing, or an
+                expected one was never listed.
+            WriteConflict: S3 could not decide the marker write (409s through every backoff) and no marker
+                is there: the attempt's files are discarded; retryable.
         """
         try:
             check_not_fenced(self.store, self.unit, self.attempt)
@@ -214,24 +291,41 @@ class UnitWriter:
                 return mine, True
             self.discard()
             raise
+        self._check_pin()
         missing = self._missing_files()
         if missing and read_marker(self.store, self.unit) is None:
             raise StoreError(
                 f"{self.unit}: attempt {self.attempt} lost files before commit ({'; '.join(missing)}); "
                 f"nothing was committed: rerun the task (was `verl-tasks gc` run with a short --older-than?)"
             )
-        record = CommitRecord(self.unit, self.attempt, dict(self.files), dict(meta or {}), time.time())
-        if not missing and self.store.put_if_absent(f"{self.unit}/{MARKER}", record.to_json()):
-            return record, True
+        record = CommitRecord(self.unit, self.attempt, dict(self.files), dict(meta or {}), time.time(),
+                              self.pin.config_hash if self.pin else None)
+        try:
+            if not missing and self.store.put_if_absent(f"{self.unit}/{MARKER}", record.to_json()):
+                return self._published(record)
+        except WriteConflict as err:
+            return self._undecided(err)
         winner = read_marker(self.store, self.unit)
         if winner is None:  # pragma: no cover - a marker cannot vanish between the two calls
             raise StoreError(f"{self.unit}: marker write refused but no marker found")
         if winner.attempt == self.attempt:
             # Our write landed but its reply was lost; the client's retry then saw our own marker.
-            return winner, True
+            return self._published(winner)
         self.discard()
         log.info("unit %s was committed by attempt %s first; discarded %s", self.unit, winner.attempt, self.attempt)
         return winner, False
+
+    def _undecided(self, err: WriteConflict) -> tuple[CommitRecord, bool]:
+        """The marker write stayed 409 through every backoff: the marker, if any, decides; else nothing is
+        committed, and the attempt's files go (a marker never names them), with a retryable error."""
+        winner = read_marker(self.store, self.unit)
+        if winner is not None and winner.attempt == self.attempt:
+            return self._published(winner)  # an earlier try of ours landed; its reply was lost
+        self.discard()
+        if winner is not None:
+            return winner, False
+        raise WriteConflict(err.key, f"{self.unit}: attempt {self.attempt} could not commit: {err}; its files "
+                                     f"were discarded and nothing was committed: rerun the task") from err
 
     def discard(self) -> None:
         """Delete this attempt's files (it lost the race, or was fenced). Files left behind are garbage
@@ -368,6 +462,14 @@ def quarantine(store: ObjectStore, unit: str, reason: str) -> str | None:
 IDLE_MARGIN_S = 3600.0
 
 
+def attempt_of(key: str) -> tuple[str, str] | None:
+    """(unit, attempt id) of a key inside an attempt folder, staged files included; else None."""
+    at = key.find(f"/{ATTEMPTS}/")
+    if at < 0:
+        return None
+    return key[:at], key[at + len(ATTEMPTS) + 2 :].split("/", 1)[0]
+
+
 def garbage_attempts(store: ObjectStore, prefix: str, *, now: float | None = None,
                      idle_limit: Callable[[str], float] = lambda unit: IDLE_MARGIN_S) -> list[str]:
     """Attempt folders under ``prefix`` that can never be committed, or whose writer is surely dead.
@@ -376,9 +478,12 @@ def garbage_attempts(store: ObjectStore, prefix: str, *, now: float | None = Non
     another attempt (a loser), or when no file in it was written for
     ``idle_limit(unit)`` seconds (a crashed attempt). A young attempt of an
     uncommitted unit may still be running: it is kept, whatever its age.
+    Files in flight (a local store's ``.tmp-`` files and staging folders) count
+    as the attempt's writes.
     """
     now = time.time() if now is None else now
-    modified = store.list_modified(prefix)
+    # Staged and half-written files are the attempt's writes too: a library filling a staging folder keeps it live.
+    modified = {**store.temp_files(prefix), **store.list_modified(prefix)}
     markers: dict[str, str | None] = {}
     newest: dict[tuple[str, str], float] = {}
     for key, mtime in modified.items():
@@ -389,9 +494,8 @@ def garbage_attempts(store: ObjectStore, prefix: str, *, now: float | None = Non
                 markers[unit] = rec.attempt if rec else None
             except IntegrityError:
                 markers[unit] = None
-        at = key.find(f"/{ATTEMPTS}/")
-        if at >= 0:
-            folder = (key[:at], key[at + len(ATTEMPTS) + 2 :].split("/", 1)[0])
+        folder = attempt_of(key)
+        if folder is not None:
             newest[folder] = max(newest.get(folder, mtime), mtime)
     garbage = []
     for (unit, attempt), mtime in newest.items():
