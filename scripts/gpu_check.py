@@ -178,11 +178,11 @@ def one_step(module, lm, inputs, config, device: str) -> dict:
     before = {name: p.detach().clone() for name, p in list(lm.named_parameters())[:4]}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    (totals, steps), seconds = timed(train_steps, module, optimizer, inputs.to(torch.device(device)), algo, 1.0, 0,
-                                     lambda step: None, 0, micro_batch_size=micro)
+    per_step, seconds = timed(train_steps, module, optimizer, inputs.to(torch.device(device)), algo, 1.0, 0,
+                              lambda step: None, 0, micro_batch_size=micro)
     moved = sum(bool((p.detach() != before[n]).any()) for n, p in lm.named_parameters() if n in before)
     state = next(iter(optimizer.state.values()))
-    return {"seconds": round(seconds, 2), "steps": steps, "loss": round(totals["actor/loss"], 5),
+    return {"seconds": round(seconds, 2), "steps": len(per_step), "loss": round(per_step[-1]["actor/loss"], 5),
             "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
             else None, "weights_dtype": str(next(lm.parameters()).dtype),
             "adam_state_dtype": str(state["exp_avg"].dtype), "weights_moved": f"{moved} of {len(before)}",

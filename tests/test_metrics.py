@@ -100,6 +100,10 @@ def test_metrics_follow_the_store_through_a_failed_batch_and_a_fallback(tiny_con
     assert m["verl_tasks_pending_ratio"][()] == 0 and m["verl_tasks_snapshot_version"][()] == 1
     assert m["verl_tasks_retries_total"][(("event", "failed"), ("phase", "rollout"))] == 1  # history stays
     assert m["verl_tasks_reward_mean"][()] == pytest.approx(update["reward_mean"])
+    for gauge, key in (("approx_kl", "actor/ppo_kl"), ("entropy", "actor/entropy"), ("grad_norm", "actor/grad_norm"),
+                       ("clip_fraction", "actor/pg_clipfrac"), ("learning_rate", "actor/lr"),
+                       ("response_length_mean", "response_length_mean"), ("policy_loss", "actor/loss")):
+        assert m[f"verl_tasks_{gauge}"][()] == pytest.approx(update[key]), gauge
     assert m["verl_tasks_eval_accuracy"][()] == pytest.approx(evaluate["eval_accuracy"])
     assert m["verl_tasks_samples_per_second"][()] > 0 and m["verl_tasks_tokens_per_second"][()] > 0
     assert m["verl_tasks_fallbacks_total"][(("phase", "snapshot"),)] == 0

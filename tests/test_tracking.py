@@ -10,7 +10,8 @@ from pathlib import Path
 
 from verl_tasks.events import read_events
 from verl_tasks.runner import make_context, run_phase, train
-from verl_tasks.store.units import quarantine, read_marker
+from verl_tasks.store.conventions import STEPS_FILE, TRAINER_STATE
+from verl_tasks.store.units import quarantine, read_json, read_jsonl, read_marker
 
 FAST = {"model.tiny.warm_start_steps": 20, "data.eval_size": 16, "evaluate.max_prompts": 16}
 
@@ -44,7 +45,7 @@ def test_one_value_per_metric_per_epoch_after_a_cleared_update_reruns(tiny_confi
     keys = set(run.data.metrics)
     expected = {"update/reward_mean", "update/actor/grad_norm", "evaluate/eval_accuracy", "base_evaluate/eval_accuracy"}
     assert expected <= keys
-    for key in keys:
+    for key in (k for k in keys if not k.startswith("update_step/")):  # per optimizer step: checked below
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == ([0] if key.startswith("base_evaluate/") else [0, 1, 2]), key
     [reward] = [m.value for m in client.get_metric_history(run.info.run_id, "update/reward_mean") if m.step == 1]
@@ -64,8 +65,20 @@ def test_one_value_per_metric_per_epoch_after_a_cleared_update_reruns(tiny_confi
     assert all(e["logged"] == 0 and e["already_present"] > 0 for e in rerun), rerun
 
     counts = _tensorboard_counts(board)
-    assert counts and set(counts.values()) == {1}, "one TensorBoard value per tag and epoch"
+    assert counts and set(counts.values()) == {1}, "one TensorBoard value per tag and step"
     assert {step for (tag, step) in counts if tag == "update/reward_mean"} == {0, 1, 2}
+    assert {step for (tag, step) in counts if tag == "base_evaluate/eval_accuracy"} == {0}
+
+    # Per optimizer step: the store holds each step once (in its update unit), the trackers one value each.
+    total = read_json(ctx.store, read_marker(ctx.store, ctx.layout.update(2)), TRAINER_STATE)["step"]
+    stored = [row["step"] for e in range(3)
+              for row in read_jsonl(ctx.store, read_marker(ctx.store, ctx.layout.update(e)), STEPS_FILE)]
+    assert stored == list(range(1, total + 1)) and total > 3, stored
+    for key in ("update_step/actor/loss", "update_step/actor/ppo_kl", "update_step/actor/pg_clipfrac",
+                "update_step/actor/entropy", "update_step/actor/grad_norm", "update_step/actor/lr"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == list(range(1, total + 1)), (key, steps)
+        assert sorted(step for (tag, step) in counts if tag == key) == list(range(1, total + 1)), key
 
 
 def test_a_failing_tracker_does_not_fail_training(tiny_config, tmp_path):

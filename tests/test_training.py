@@ -92,7 +92,7 @@ def test_rerun_with_all_epochs_committed_returns_without_compute(tmp_path):
     started = time.time()
     out = subprocess.run(_cli("run", str(config), "--store", store, "--epochs", "1"), check=True, cwd=ROOT,
                          capture_output=True, text=True)
-    assert "done in" in out.stderr
+    assert "already trained (1 epochs committed" in out.stderr and "nothing recomputed" in out.stderr, out.stderr
     from verl_tasks.config import load_config
 
     ctx = make_context(load_config(config, {"storage.uri": store}))

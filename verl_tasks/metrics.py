@@ -64,8 +64,22 @@ GAUGES = {
     "samples_per_second": "Samples generated per second over the last epoch (plan start to snapshot commit).",
     "tokens_per_second": "Response tokens generated per second over the last epoch (plan start to snapshot commit).",
     "reward_mean": "Mean training reward of the last epoch's samples (its update's metrics).",
+    "reward_std": "Standard deviation of the last epoch's training rewards.",
+    "response_length_mean": "Mean response length, in tokens, of the last epoch's samples.",
+    "policy_loss": "The last epoch's policy loss, averaged over its optimizer steps.",
+    "approx_kl": "Approximate KL between the policy before and after the last epoch's update (mean over steps).",
+    "clip_fraction": "Share of the last epoch's response tokens whose ratio was clipped (mean over steps).",
+    "entropy": "Mean token entropy of the policy over the last epoch's responses (mean over steps).",
+    "grad_norm": "Gradient norm before clipping, averaged over the last epoch's optimizer steps.",
+    "learning_rate": "Learning rate of the last epoch's final optimizer step.",
     "eval_accuracy": "Held-out accuracy of the newest evaluated policy (the base policy's before any epoch).",
 }
+
+
+# Gauges read from the last epoch's update metrics: gauge -> key in its metrics.json.
+UPDATE_GAUGES = {"reward_mean": "reward_mean", "reward_std": "reward_std",
+                 "response_length_mean": "response_length_mean", "policy_loss": "actor/loss", "approx_kl": "actor/ppo_kl", "clip_fraction": "actor/pg_clipfrac",
+                 "entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "learning_rate": "actor/lr"}
 
 
 @dataclass
@@ -238,8 +252,8 @@ def _last_epoch(config: ExperimentConfig, store: ObjectStore, layout: Layout, ne
         out.gauges["last_epoch"] = last
         update, plan = _marker(store, layout.update(last)), _marker(store, layout.plan(last))
         metrics = dict(update.meta.get("metrics", {})) if update else {}
-        if "reward_mean" in metrics:
-            out.gauges["reward_mean"] = float(metrics["reward_mean"])
+        out.gauges.update({gauge: float(metrics[key]) for gauge, key in UPDATE_GAUGES.items()
+                           if isinstance(metrics.get(key), (int, float))})
         started = stamp_time(plan.attempt) if plan else None
         if started is not None and snapshot.committed_at > started and "samples" in metrics:
             wall = snapshot.committed_at - started

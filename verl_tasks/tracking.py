@@ -1,14 +1,20 @@
-"""Experiment trackers: each committed update and evaluation logs its metrics once, keyed by epoch.
+"""Experiment trackers: each committed update and evaluation logs its metrics once, keyed by step.
 
 ``tracking.mlflow`` (a tracking URI) and ``tracking.tensorboard`` (a folder) are optional
 (``pip install 'verl-tasks[tracking]'``); their libraries are imported only when configured, and
 this module imports no torch.
 
 A unit commits once, but a rolled-back or quarantined unit commits again when it is recomputed.
-So each tracker is first asked which (metric, epoch) values it already holds and only the
-missing ones are written: the tracker holds at most one value per metric per epoch (the step).
-Metric names are ``<phase>/<metric>`` (``update/reward_mean``, ``evaluate/eval_accuracy``);
-the base policy's evaluation is ``base_evaluate/...`` at step 0.
+So each tracker is first asked which (metric, step) values it already holds and only the
+missing ones are written: the tracker holds at most one value per metric per step.
+Metric names are ``<phase>/<metric>`` (``update/reward_mean``, ``evaluate/eval_accuracy``) at the
+epoch as step; the base policy's evaluation is ``base_evaluate/...`` at step 0. Each optimizer step
+of an update (its unit's ``steps.jsonl``) is ``update_step/<metric>`` (loss, KL, clip fraction,
+entropy, grad norm, learning rate) at the global optimizer step, counted from 1.
+
+TensorBoard gets one event file per committed unit: units commit from different processes and
+machines, and only a file of one's own is safe to write; TensorBoard reads every event file of
+the folder as one run.
 
 MLflow: one run per experiment and tracking URI. Its id is recorded in the store under
 ``<experiment>/tracking/`` with a write-if-absent, so two workers never make two runs; the
@@ -39,7 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRACKED_PHASES = ("update", "evaluate")
-MLFLOW_PARAMS_PER_CALL = 100  # MLflow's log_batch limit
+MLFLOW_PARAMS_PER_CALL = 100  # MLflow's log_batch limits
+MLFLOW_METRICS_PER_CALL = 1000
 
 
 def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: CommitRecord) -> None:
@@ -58,7 +65,8 @@ def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: C
         if not target:
             continue
         try:
-            logged, present = write(ctx, target, unit, epoch, metrics, tags)
+            points = [(epoch, metrics), *(_optimizer_steps(ctx, record) if phase == "update" else [])]
+            logged, present = write(ctx, target, unit, points, tags)
         except Exception as err:  # noqa: BLE001 - a tracker must never fail a committed unit
             error = f"{type(err).__name__}: {err}"[:2000]
             if isinstance(err, ImportError):
@@ -71,9 +79,22 @@ def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: C
                      logged=logged, already_present=present)
 
 
-def _log_mlflow(ctx: PhaseContext, uri: str, unit: str, epoch: int, metrics: dict[str, float],
-                tags: dict[str, str]) -> tuple[int, int]:
-    """Write the values the run lacks at step ``epoch``; returns (written, already present).
+Points = list[tuple[int, dict[str, float]]]  # (step, metric name -> value)
+
+
+def _optimizer_steps(ctx: PhaseContext, record: CommitRecord) -> Points:
+    """The update unit's per-optimizer-step metrics as ``update_step/...`` points at their global step."""
+    from verl_tasks.store.conventions import STEPS_FILE
+    from verl_tasks.store.units import read_jsonl
+
+    if STEPS_FILE not in record.files:
+        return []
+    return [(int(row["step"]), {f"update_step/{key}": float(value) for key, value in row.items() if key != "step"})
+            for row in read_jsonl(ctx.store, record, STEPS_FILE)]
+
+
+def _log_mlflow(ctx: PhaseContext, uri: str, unit: str, points: Points, tags: dict[str, str]) -> tuple[int, int]:
+    """Write the (metric, step) values the run lacks; returns (written, already present).
 
     The last epoch's evaluation marks the run FINISHED (MLflow still accepts values for a
     finished run, e.g. when the experiment is resumed with more epochs).
@@ -82,14 +103,21 @@ def _log_mlflow(ctx: PhaseContext, uri: str, unit: str, epoch: int, metrics: dic
 
     client = _mlflow_client(uri)
     run_id = _mlflow_run(ctx, client, uri)
-    missing = {key: value for key, value in metrics.items()
-               if all(m.step != epoch for m in client.get_metric_history(run_id, key))}
+    held: dict[str, set[int]] = {}
+    for _, metrics in points:
+        for key in metrics:
+            if key not in held:
+                held[key] = {m.step for m in client.get_metric_history(run_id, key)}
     now_ms = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(key, value, now_ms, epoch) for key, value in missing.items()],
-                     tags=[RunTag(key, value) for key, value in tags.items()])
+    missing = [Metric(key, value, now_ms, step) for step, metrics in points for key, value in metrics.items()
+               if step not in held[key]]
+    for start in range(0, max(1, len(missing)), MLFLOW_METRICS_PER_CALL):
+        client.log_batch(run_id, metrics=missing[start: start + MLFLOW_METRICS_PER_CALL],
+                         tags=[RunTag(key, value) for key, value in tags.items()] if start == 0 else [])
     if unit == ctx.layout.evaluate(ctx.config.epochs - 1):
         client.set_terminated(run_id, "FINISHED")
-    return len(missing), len(metrics) - len(missing)
+    total = sum(len(metrics) for _, metrics in points)
+    return len(missing), total - len(missing)
 
 
 @functools.lru_cache(maxsize=4)
@@ -148,21 +176,25 @@ def _log_params(client: Any, run_id: str, config: ExperimentConfig) -> None:
         client.log_batch(run_id, params=params[start : start + MLFLOW_PARAMS_PER_CALL])
 
 
-def _log_tensorboard(ctx: PhaseContext, folder: str, unit: str, epoch: int, metrics: dict[str, float],
+def _log_tensorboard(ctx: PhaseContext, folder: str, unit: str, points: Points,
                      tags: dict[str, str]) -> tuple[int, int]:
-    """Scalars the folder's event files lack at step ``epoch``, in a new event file (tags: MLflow only)."""
+    """Scalars the folder's event files lack, in one new event file for this unit (tags: MLflow only)."""
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     present = _tensorboard_values(Path(folder))
-    missing = {key: value for key, value in metrics.items() if (key, epoch) not in present}
+    missing = [(step, {key: value for key, value in metrics.items() if (key, step) not in present})
+               for step, metrics in points]
+    missing = [(step, metrics) for step, metrics in missing if metrics]
     if missing:
         writer = EventFileWriter(folder)
-        summary = Summary(value=[Summary.Value(tag=key, simple_value=value) for key, value in missing.items()])
-        writer.add_event(Event(wall_time=time.time(), step=epoch, summary=summary))
+        for step, metrics in missing:
+            summary = Summary(value=[Summary.Value(tag=key, simple_value=value) for key, value in metrics.items()])
+            writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
         writer.close()
-    return len(missing), len(metrics) - len(missing)
+    written = sum(len(metrics) for _, metrics in missing)
+    return written, sum(len(metrics) for _, metrics in points) - written
 
 
 def _tensorboard_values(folder: Path) -> set[tuple[str, int]]:

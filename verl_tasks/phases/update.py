@@ -31,9 +31,16 @@ from verl_tasks.models.checkpoint import (
 )
 from verl_tasks.models.policy_cache import WarmOptimizer
 from verl_tasks.phases.common import PhaseContext, committed, keep_policy, load_version, require, run_unit, take_version
-from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, frozen_logprobs, policy_module, train_steps
+from verl_tasks.phases.update_steps import (
+    UpdateInputs,
+    epoch_inputs,
+    frozen_logprobs,
+    policy_module,
+    step_records,
+    train_steps,
+)
 from verl_tasks.phases.validate import epoch_batches
-from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, optimizer_state_id
+from verl_tasks.store.conventions import STEPS_FILE, TRAINER_STATE, check_not_pruned, optimizer_state_id
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
 from verl_tasks.train.launch import train_on_workers
 from verl_tasks.train.logprobs import ResponseLogProbs
@@ -101,7 +108,7 @@ def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str 
 def _train_here(
     ctx: PhaseContext, epoch: int, planned: dict[str, Any], samples: list[dict[str, Any]], single_step: bool,
     first_step: int, state_id: str | None, out: Path,
-) -> tuple[dict[str, float], int, dict[str, Any], dict[str, Any], dict[str, Any]]:
+) -> tuple[list[dict[str, float]], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """One process, no torch.distributed (one ddp worker): train, write ``out/`` (HF folder + optimizer state).
 
     Returns (metric sums, steps, optimizer hyperparameters, where and how long it trained and wrote,
@@ -123,29 +130,28 @@ def _train_here(
     optimizer = resumed_optimizer(model, algo, folder, state_id, warm)
     on_step = lambda step: ctx.hook("update_step", epoch=epoch, step=step)  # noqa: E731
     started = time.monotonic()
-    totals, steps = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, planned["update_seed"],
-                                on_step, first_step, micro_batch_size=micro)
+    per_step = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, planned["update_seed"],
+                           on_step, first_step, micro_batch_size=micro)
     trained_at = time.monotonic()
     model.eval()
     save_policy(model, tokenizer, out)
     hyper = save_optimizer(optimizer, model, out)
     ran: dict[str, Any] = {"device": str(device), "train_s": round(trained_at - started, 3),
            "write_s": round(time.monotonic() - trained_at, 3)}
-    return totals, steps, hyper, ran, {"model": model, "tokenizer": tokenizer, "folder": folder,
-                                       "optimizer": optimizer}
+    return per_step, hyper, ran, {"model": model, "tokenizer": tokenizer, "folder": folder, "optimizer": optimizer}
 
 
 def _train_on_workers(
     ctx: PhaseContext, epoch: int, planned: dict[str, Any], samples: list[dict[str, Any]], single_step: bool,
     first_step: int, resume_optimizer: bool, writer: UnitWriter,
-) -> tuple[dict[str, float], int, dict[str, Any], dict[str, Any]]:
+) -> tuple[list[dict[str, float]], dict[str, Any], dict[str, Any]]:
     """Ray Train workers (``verl_tasks.train``) write into the attempt; the step hook runs here once they are done."""
     result = train_on_workers(ctx, epoch, writer, policy_version=planned["policy_version"], samples=samples,
                               first_step=first_step, seed=planned["update_seed"], single_step=single_step,
                               resume_optimizer=resume_optimizer)
-    for step in range(1, result["steps"] + 1):
+    for step in range(1, len(result["per_step"]) + 1):
         ctx.hook("update_step", epoch=epoch, step=step)
-    return result["totals"], result["steps"], result["optimizer"], result["ran"]
+    return result["per_step"], result["optimizer"], result["ran"]
 
 
 def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
@@ -174,16 +180,19 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         # Only state this snapshot lists: a cached folder keyed by the weights may hold another's (a child's base).
         state_id = optimizer_state_id(record)
         if res.distributed:
-            totals, steps, hyper, ran = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step,
-                                                          state_id is not None, writer)
+            per_step, hyper, ran = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step,
+                                                     state_id is not None, writer)
         else:
             with writer.folder() as out:  # written in place: the weights are written once per epoch
-                totals, steps, hyper, ran, kept = _train_here(ctx, epoch, planned, samples, single_step,
-                                                              first_step, state_id, out)
+                per_step, hyper, ran, kept = _train_here(ctx, epoch, planned, samples, single_step, first_step,
+                                                         state_id, out)
             trained.update(kept, attempt=writer.attempt)
+        steps = len(per_step)
         lrs = [lr_at(step, **schedule_of(algo)) for step in range(first_step, first_step + steps)]
-        metrics = {**_epoch_metrics(totals, steps, samples), "actor/lr": lrs[-1]}
+        metrics = {**_epoch_metrics(per_step, samples), "actor/lr": lrs[-1]}
         writer.write_json("metrics.json", metrics)
+        # Committed with the unit: a retried or cleared update replaces them, never adds a second copy.
+        writer.write_jsonl(STEPS_FILE, step_records(per_step, first_step, lrs))
         writer.write_json(TRAINER_STATE, {"step": first_step + steps, "optimizer": hyper,
                                           "lr_schedule": {**schedule_of(algo), "first_step": first_step, "lrs": lrs}})
         # Not pinned (a run may resume on another worker count or strategy); results agree within float
@@ -209,10 +218,12 @@ def _update_files(res: Resources) -> list[str]:
     return [WEIGHTS, OPTIMIZER_INDEX, OPTIMIZER]
 
 
-def _epoch_metrics(totals: dict[str, float], steps: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
+def _epoch_metrics(per_step: list[dict[str, float]], samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The epoch's row: each training metric's mean over its optimizer steps, and the samples' statistics."""
     scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
     response_lengths = torch.tensor([float(len(s["response_ids"])) for s in samples])
-    metrics: dict[str, Any] = {key: value / steps for key, value in totals.items()}
+    steps = len(per_step)
+    metrics: dict[str, Any] = {key: sum(step[key] for step in per_step) / steps for key in per_step[0]}
     metrics.update(
         {
             "reward_mean": scores.mean().item(),

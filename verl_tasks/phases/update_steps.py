@@ -244,26 +244,31 @@ def train_steps(
     micro_batch_size: int | None = None,
     rank: int = 0,
     world: int = 1,
-) -> tuple[dict[str, float], int]:
+) -> list[dict[str, float]]:
     """This worker's part of the optimisation from global step ``first_step``: per minibatch, accumulate
     the micro-batches' gradients, call ``on_step(step)``, clip, step.
 
     Returns:
-        (metric sums over steps, steps). The sums are this worker's share; summed over the workers
-        they are the one-process values. ``actor/grad_norm`` (the same on every worker) counts on rank 0.
+        Each optimizer step's metrics, in order: this worker's share; summed over the workers they are
+        the one-process values. ``actor/grad_norm`` (the same on every worker) counts on rank 0.
     """
     module.train()
-    totals: dict[str, float] = {}
-    steps = 0
+    per_step: list[dict[str, float]] = []
     for rows in minibatch_rows(len(inputs), algo, seed):
         optimizer.zero_grad(set_to_none=True)
         metrics = accumulate_gradients(module, inputs, rows, algo, temperature, micro_batch_size, rank, world)
-        on_step(steps + 1)
+        on_step(len(per_step) + 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), algo.grad_clip)
-        set_lr(optimizer, algo, first_step + steps)
+        set_lr(optimizer, algo, first_step + len(per_step))
         optimizer.step()
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         metrics["actor/grad_norm"] = float(norm) if rank == 0 else 0.0
-        accumulate(totals, metrics)
-        steps += 1
-    return totals, steps
+        per_step.append(metrics)
+    return per_step
+
+
+def step_records(per_step: list[dict[str, float]], first_step: int, lrs: list[float]) -> list[dict[str, float]]:
+    """One record per optimizer step: its global number (1-based, as ``trainer_state.json`` counts), its
+    metrics and its learning rate: what ``steps.jsonl`` of the update unit holds."""
+    return [{"step": first_step + i + 1, **metrics, "actor/lr": lr}
+            for i, (metrics, lr) in enumerate(zip(per_step, lrs, strict=True))]

@@ -20,6 +20,7 @@ from verl_tasks.store.units import MARKER, PRUNED, QUARANTINE, CommitRecord, Uni
 WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
+STEPS_FILE = "steps.jsonl"  # the update unit's per-optimizer-step metrics, one JSON object per step
 METRICS = "metrics.json"
 # An update unit's files the snapshot writes itself instead of copying.
 WRITTEN_BY_SNAPSHOT = (TRAINER_STATE, METRICS)

@@ -84,9 +84,9 @@ def train_loop(job: dict[str, Any]) -> None:
                            step=step)
 
     started = time.monotonic()
-    totals, steps = train_steps(model, optimizer, inputs, algo, temperature, job["seed"], on_step, job["first_step"],
-                                micro_batch_size=micro, rank=rank, world=world)
-    totals = sum_over_workers(totals, device)
+    per_step = train_steps(model, optimizer, inputs, algo, temperature, job["seed"], on_step, job["first_step"],
+                           micro_batch_size=micro, rank=rank, world=world)
+    per_step = sum_over_workers(per_step, device)
     trained_at = time.monotonic()
     writer = UnitWriter(ctx.store, job["unit"], job["attempt"])
     hyper = save_outputs(model, core, optimizer, tokenizer, folder, writer, rank, world)
@@ -94,7 +94,7 @@ def train_loop(job: dict[str, Any]) -> None:
     if rank == 0:
         ran = {"device": str(device), "train_s": round(trained_at - started, 3),
                "write_s": round(time.monotonic() - trained_at, 3)}
-        job["results"].put({"files": files, "totals": totals, "steps": steps, "optimizer": hyper, "ran": ran})
+        job["results"].put({"files": files, "per_step": per_step, "optimizer": hyper, "ran": ran})
 
 
 def build(folder: Path, config: Any, device: torch.device, world: int, *,
@@ -135,14 +135,17 @@ def sharded_logprobs(model: torch.nn.Module, inputs: UpdateInputs, temperature: 
     return torch.cat([part[:count] for part, count in zip(gathered, counts, strict=True)])
 
 
-def sum_over_workers(totals: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Every worker's metric sums added up (float64, on the worker's device: NCCL reduces no CPU tensor)."""
+def sum_over_workers(per_step: list[dict[str, float]], device: torch.device) -> list[dict[str, float]]:
+    """Every worker's per-step metrics added up, in one all-reduce of a steps x metrics tensor (float64, on
+    the worker's device: NCCL reduces no CPU tensor). Every worker ran the same steps with the same keys."""
     import torch.distributed as dist
 
-    keys = list(totals)
-    sums = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)
+    if not per_step:
+        return per_step
+    keys = list(per_step[0])
+    sums = torch.tensor([[step[k] for k in keys] for step in per_step], dtype=torch.float64, device=device)
     dist.all_reduce(sums)
-    return dict(zip(keys, sums.tolist(), strict=True))
+    return [dict(zip(keys, row, strict=True)) for row in sums.tolist()]
 
 
 def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
