@@ -56,8 +56,15 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy verl_tasks
 
+# Every section of BENCHMARKS.md, each written by its script, one after another, cheap ones first.
+# BENCH_LONG=0 leaves out the multi-minute ones (the last six; smollm2*.py import the model update_memory.py needs).
+BENCH_LONG ?= 1
+BENCH_QUICK := dag_parse commit_files validate_cold status_cpu dashboard_render pool_cancel run gc_pauses \
+	skip_cost demo_split
+BENCH_SLOW := ray_vs_inline update_scaling submission_cost smollm2_epoch smollm2 update_memory
 bench: install
-	$(BIN)/python benchmarks/run.py
+	@set -e; for name in $(BENCH_QUICK) $(if $(filter 0,$(BENCH_LONG)),,$(BENCH_SLOW)); do \
+		echo "== benchmarks/$$name.py"; $(BIN)/python benchmarks/$$name.py; done
 
 # docs/configuration.md, generated from verl_tasks/config.py (tests/test_docs.py fails when it is stale).
 docs: $(STAMP)

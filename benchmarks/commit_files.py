@@ -1,14 +1,18 @@
 """Commit cost of an update-shaped unit on the local store: 7 files (weights, optimizer, JSON) + marker.
 
-    .venv/bin/python benchmarks/commit_files.py [--repeats 120] [--checkout DIR] [--rounds 3]
+    .venv/bin/python benchmarks/commit_files.py [--repeats 120] [--rounds 3] [--output BENCHMARKS.md]
 
-``--checkout DIR`` also times another checkout's ``verl_tasks`` (e.g. a worktree of an
-earlier commit), alternating whole processes with this one, so the disk's mood hits both.
-The store lives under the repository's parent folder (the disk the runs use), not /tmp.
+Each round is a fresh process that writes and commits ``--repeats`` units through ``UnitWriter``
+(the files written into the attempt's folder, then the ``_SUCCESS`` marker, which waits for every
+file's and folder's fsync). The first sixth of each round's units is left out: they also create the
+folders the later ones share. The store lives under the repository's parent folder (the disk the
+runs use), not /tmp. The section between this script's markers in ``--output`` is replaced.
+To compare with another checkout, run that checkout's copy of this script with another ``--output``.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -19,13 +23,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+OWNER = "benchmarks/commit_files.py"
 SIZES = {"model.safetensors": 440_000, "optimizer.safetensors": 880_000, "config.json": 900,
          "tokenizer.json": 3_000, "generation_config.json": 200, "metrics.json": 500, "trainer_state.json": 400}
 
 
-def measure(checkout: Path, repeats: int) -> dict[str, float]:
-    """Median and p90 ms of one unit's writes + commit, with ``checkout``'s store code."""
-    sys.path.insert(0, str(checkout))
+def measure(repeats: int) -> dict[str, float]:
+    """Median and p90 ms of one unit's writes + commit."""
     from verl_tasks.store import open_store
     from verl_tasks.store.units import UnitWriter
 
@@ -44,25 +49,57 @@ def measure(checkout: Path, repeats: int) -> dict[str, float]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     steady = sorted(times[repeats // 6:])  # the first units also create the shared folders
-    return {"median_ms": round(statistics.median(steady), 2), "p90_ms": round(steady[int(0.9 * len(steady))], 2)}
+    return {"median_ms": round(statistics.median(steady), 2), "p90_ms": round(steady[int(0.9 * len(steady))], 2),
+            "units": len(steady)}
+
+
+def markdown(rounds: list[dict], command: str) -> str:
+    from benchmarks.run import provenance
+
+    total = sum(SIZES.values())
+    lines = [
+        "## Commit cost of an update-shaped unit (local store)",
+        "",
+        provenance(command),
+        "",
+        f"One unit: {len(SIZES)} files ({SIZES['model.safetensors'] // 1000} KB weights, "
+        f"{SIZES['optimizer.safetensors'] // 1000} KB optimizer state, five small JSON files; "
+        f"{total / 1e6:.2f} MB in all) written through `UnitWriter` and committed: the `_SUCCESS` marker is "
+        "written once every file and folder of the attempt is fsynced. Each round is a fresh process; "
+        f"the milliseconds are per unit over its last {rounds[0]['units']} units (the first ones also create "
+        "the folders the others share). The store is on the disk the repository is on.",
+        "",
+        "| round | median (ms) | p90 (ms) |",
+        "|---|---:|---:|",
+    ]
+    for i, r in enumerate(rounds, 1):
+        lines.append(f"| {i} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} |")
+    overall = statistics.median(r["median_ms"] for r in rounds)
+    lines.append(f"| all rounds (median of the medians) | **{overall:.2f}** | |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=120)
-    parser.add_argument("--checkout", type=Path, help="another checkout to time beside this one")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(measure(args.child, args.repeats))
+        print(json.dumps(measure(args.repeats)))
         return
-    checkouts = [ROOT] + ([args.checkout.resolve()] if args.checkout else [])
+    from benchmarks.run import write_section
+
+    rounds = []
     for round_ in range(1, args.rounds + 1):
-        for checkout in checkouts:
-            done = subprocess.run([sys.executable, __file__, "--child", str(checkout), "--repeats", str(args.repeats)],
-                                  capture_output=True, text=True, check=True)
-            print(f"round {round_} {checkout}: {done.stdout.strip()}")
+        done = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(args.repeats)],
+                              capture_output=True, text=True, check=True, cwd=ROOT)
+        rounds.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"round {round_}: {rounds[-1]}", file=sys.stderr, flush=True)
+    text = markdown(rounds, " ".join([".venv/bin/python benchmarks/commit_files.py", *sys.argv[1:]]))
+    print(text)
+    write_section(args.output, text, OWNER)
 
 
 if __name__ == "__main__":

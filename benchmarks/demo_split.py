@@ -2,6 +2,14 @@
 queueing, the unit's compute and the way back, per task of one DAG run.
 
     python benchmarks/demo_split.py --db .airflow/airflow.db --log .airflow/demo-dags-test.log [--markdown]
+    .venv/bin/python benchmarks/demo_split.py [--epochs 8] [--output BENCHMARKS.md]
+
+With ``--db`` and ``--log`` (what ``scripts/demo.sh`` runs at its end) it prints the split of that
+run. Without them it measures ``make demo``: it runs ``bash scripts/demo.sh`` (what ``make demo``
+runs after its install step) in a fresh temporary Airflow home, store and Ray head state folder,
+on free ports, after building the warm-start cache (untimed), and writes the demo's wall time, its
+DAG run, the split and the held-out accuracy into the section between this script's markers in
+``--output``.
 
 Reads the task instances of the latest run of the DAG from Airflow's SQLite metadata DB and
 the ``verl-tasks timing {...}`` line each unit's task logs (see ``VerlPhaseOperator``). Built for
@@ -14,11 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import sqlite3
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from datetime import datetime
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+OWNER = "benchmarks/demo_split.py"
+CONFIG = ROOT / "dags" / "experiments" / "tiny_arith.yaml"
 PARTS = ("scheduling_s", "airflow_task_s", "store_s", "connect_s", "submit_s", "queue_s", "compute_s", "return_s")
 MARK = "verl-tasks timing "
 
@@ -101,13 +119,96 @@ def render(table: dict[str, dict[str, float]], markdown: bool) -> str:
     return "\n".join(lines)
 
 
+def measure_demo(epochs: int) -> dict:
+    """``bash scripts/demo.sh`` in fresh temporary state, timed; its split and the trained experiment's status."""
+    sys.path.insert(0, str(ROOT))
+    from verl_tasks.execution.cli_cluster import _free_ports
+
+    work = Path(tempfile.mkdtemp(prefix="vt-demo-bench-"))
+    try:
+        cli = [sys.executable, "-m", "verl_tasks.cli"]
+        subprocess.run([*cli, "run", str(CONFIG), "--store", f"file://{work}/warm", "--epochs", "1"], cwd=ROOT,
+                       check=True, capture_output=True)  # builds the warm-start cache, untimed
+        port, dashboard = _free_ports()
+        env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
+        env.update(AIRFLOW_HOME=str(work / "airflow"), VERL_TASKS_STORE_ROOT=str(work),
+                   DEMO_RAY_STATE=str(work / "ray-head"), RAY_PORT=str(port), RAY_DASHBOARD_PORT=str(dashboard),
+                   DEMO_EPOCHS=str(epochs))
+        started = time.monotonic()
+        done = subprocess.run(["bash", "scripts/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.monotonic() - started
+        if done.returncode != 0:
+            raise SystemExit(f"scripts/demo.sh failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        dag_run = re.search(r"DAG run tiny_arith succeeded in (\d+)s", done.stdout)
+        home = work / "airflow"
+        rows = split(task_instances(home / "airflow.db", "tiny_arith"), timing_lines(home / "demo-dags-test.log"))
+        status = json.loads(subprocess.run(
+            [*cli, "status", str(CONFIG), "--store", f"file://{work}/.store", "--epochs", str(epochs), "--json"],
+            cwd=ROOT, check=True, capture_output=True, text=True).stdout)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    accuracy = [e["metrics"].get("eval_accuracy") for e in status["epochs"]]
+    return {"wall_s": wall, "dag_run_s": int(dag_run.group(1)) if dag_run else None, "rows": rows,
+            "base_accuracy": status["base"]["metrics"]["eval_accuracy"], "final_accuracy": accuracy[-1],
+            "backend": os.environ.get("VERL_TASKS_BACKEND", "ray-driver")}
+
+
+def demo_markdown(result: dict, epochs: int, command: str) -> str:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.run import provenance
+
+    table = medians(result["rows"])
+    overall = table["all tasks"]
+    dag_run = f"{result['dag_run_s']} s" if result["dag_run_s"] is not None else "not printed"
+    lines = [
+        "## `make demo`: the Airflow DAG on Ray worker pools",
+        "",
+        provenance(command),
+        "",
+        f"`bash scripts/demo.sh` (what `make demo` runs after its install step) with `DEMO_EPOCHS={epochs}`, in a "
+        "fresh Airflow home (SQLite), store and Ray head state folder, on free ports; the warm-start cache is "
+        f"built before (untimed). Backend `{result['backend']}`: every task's unit runs on the experiment's Ray "
+        "worker pools, the task process a Ray driver; `airflow dags test` runs the tasks one at a time.",
+        "",
+        "| measurement | value |",
+        "|---|---:|",
+        f"| `scripts/demo.sh` wall (head start, DB migration, DAG run, status table) | {result['wall_s']:.1f} s |",
+        f"| DAG run, {epochs} epochs (`airflow dags test`, {int(overall['n'])} unit tasks + configure) | {dag_run} |",
+        f"| median task outside the unit's compute | {overall['outside_compute_s']:.3f} s |",
+        f"| held-out accuracy, base -> after {epochs} epochs | {result['base_accuracy']:.1%} -> "
+        f"{result['final_accuracy']:.1%} |",
+        "",
+        "Where a task's time went (median seconds per task): *Airflow scheduling* is the gap after the previous "
+        "task ended, *Airflow task* the part of the task instance's duration outside what the operator "
+        "measured, the rest from each unit's `verl-tasks timing` line (Ray connect is paid once per `dags test` "
+        "process).",
+        "",
+        render(table, markdown=True),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--db", type=Path, required=True, help="Airflow's SQLite metadata DB")
-    parser.add_argument("--log", type=Path, required=True, help="the `airflow dags test` output")
+    parser.add_argument("--db", type=Path, help="Airflow's SQLite metadata DB (with --log: print that run's split)")
+    parser.add_argument("--log", type=Path, help="the `airflow dags test` output")
     parser.add_argument("--dag-id", default="tiny_arith")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--epochs", type=int, default=8, help="without --db/--log: the demo's DEMO_EPOCHS")
+    parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md",
+                        help="without --db/--log: the file whose section this script rewrites")
     args = parser.parse_args(argv)
+    if args.db is None and args.log is None:
+        result = measure_demo(args.epochs)
+        command = " ".join([".venv/bin/python benchmarks/demo_split.py", *(sys.argv[1:] if argv is None else argv)])
+        text = demo_markdown(result, args.epochs, command)
+        print(text)
+        from benchmarks.run import write_section
+
+        write_section(args.output, text, OWNER)
+        return 0
+    if args.db is None or args.log is None:
+        parser.error("--db and --log go together")
     rows = split(task_instances(args.db, args.dag_id), timing_lines(args.log))
     if not rows:
         raise SystemExit(f"no `{MARK.strip()}` lines in {args.log} matched a task instance")

@@ -43,8 +43,8 @@ def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def held_pid(held: Path, ref=None) -> int:
-    """The PID the held rollout wrote, once it is in its middle."""
+def held_pid(held: Path, ref=None) -> int | None:
+    """The PID the held rollout wrote, once it is in its middle; None if ``ref`` found its actor restarting."""
     import ray
 
     deadline = time.monotonic() + WAIT_S
@@ -52,7 +52,11 @@ def held_pid(held: Path, ref=None) -> int:
         if held.exists() and held.read_text().strip():
             return int(held.read_text())
         if ref is not None and ray.wait([ref], timeout=0)[0]:
-            raise SystemExit(f"the unit ended before it was held: {ray.get(ref)}")
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:  # killed by the previous round, not back yet
+                return None
+            raise SystemExit(f"the unit ended before it was held: {result}")
         time.sleep(0.05)
     raise SystemExit(f"the rollout was not held within {WAIT_S} s")
 
@@ -118,9 +122,15 @@ class ByCancel:
         cfg = self.ctx.config
         spec = UnitSpec(cfg.experiment, "rollout", 0, BATCH)
         held = hold(self.plan, cfg.experiment, 0, BATCH)
-        attempt = new_attempt_id()
-        ref, actor = pools.submit(cfg, spec, attempt)
-        pid = held_pid(held, ref)
+        for _ in range(int(WAIT_S / 0.2)):  # sent again while Ray restarts the actor, as the dispatcher does
+            attempt = new_attempt_id()
+            ref, actor = pools.submit(cfg, spec, attempt)
+            pid = held_pid(held, ref)
+            if pid is not None:
+                break
+            time.sleep(0.2)
+        else:
+            raise SystemExit(f"the pool's actor was not back within {WAIT_S} s")
         started = time.perf_counter()
         pools.cancel_unit(cfg, spec, attempt, actor, "benchmarks/pool_cancel.py")
         returned = time.perf_counter() - started
@@ -172,6 +182,7 @@ class ByOnKill:
         task = threading.Thread(target=run_task, daemon=True)
         task.start()
         pid = held_pid(held)
+        assert pid is not None
         started = time.perf_counter()
         doomed.on_kill()
         returned = time.perf_counter() - started

@@ -1,9 +1,14 @@
-"""Benchmarks for verl-tasks; results go to BENCHMARKS.md (run: `make bench`).
+"""The tiny experiment end to end and the commit protocol's cost; written into BENCHMARKS.md.
+
+    .venv/bin/python benchmarks/run.py [--output BENCHMARKS.md]
 
 Measured side by side in one run, medians over repeats, on whatever machine runs it:
 1. the tiny experiment end to end: first run (warm start included) vs an idempotent rerun;
-2. unit commit latency: LocalStore vs S3Store (moto server over HTTP);
-3. skip cost: how long a phase takes to return when its unit is already committed.
+2. unit commit latency: LocalStore vs S3Store (moto server over HTTP), and the marker check a skip costs.
+The Airflow end-to-end test's figures (``benchmarks/airflow.md``, written by that test) follow them.
+
+Every script in benchmarks/ writes its own section of BENCHMARKS.md through ``replace_generated``;
+``make bench`` runs them all (``make bench BENCH_LONG=0`` leaves out the multi-minute ones).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ def bench_end_to_end(workdir: Path) -> dict:
         "rerun_over_first": round(statistics.median(reruns) / first, 3),
         "base_accuracy": status["base"]["metrics"]["eval_accuracy"],
         "final_accuracy": accs[-1],
+        "weights_sha256": status["latest_snapshot"]["weights_sha256"],
         "accuracy_curve": accs,
         "curve_md": (workdir / "curve.md").read_text(),
     }
@@ -106,6 +112,7 @@ def write_markdown(e2e: dict, commit: dict, command: str) -> str:
         f"| rerun with everything committed (median of 3) | {e2e['rerun_median_s']} s |",
         f"| rerun / first run | {e2e['rerun_over_first']:.1%} |",
         f"| held-out accuracy, base -> after 8 epochs | {e2e['base_accuracy']:.1%} -> {e2e['final_accuracy']:.1%} |",
+        f"| final `weights_sha256` (the same on every run on one CPU type) | `{e2e['weights_sha256'][:16]}...` |",
         "",
         e2e["curve_md"],
         "## Commit protocol cost per unit (64 KiB file + `_SUCCESS` marker)",
@@ -126,7 +133,7 @@ def main() -> None:
         work = Path(tmp)
         commit = bench_commit(work)
         e2e = bench_end_to_end(work)
-    text = write_markdown(e2e, commit, "make bench")
+    text = write_markdown(e2e, commit, " ".join([".venv/bin/python benchmarks/run.py", *sys.argv[1:]]))
     extra = ROOT / "benchmarks" / "airflow.md"
     if extra.exists():
         text += "\n" + extra.read_text()
@@ -150,6 +157,17 @@ def replace_generated(document: str, generated: str, owner: str = "make bench") 
     if owner != "make bench":
         return (document.rstrip("\n") + "\n\n" if document else "") + block
     return block + ("\n" + document if document else "")
+
+
+def provenance(command: str) -> str:
+    """The line every section starts with: the command that produced it, the machine and the date."""
+    return (f"Produced by `{command}` on {platform.machine()} with {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d', time.gmtime())}.")
+
+
+def write_section(output: Path, text: str, owner: str) -> None:
+    """Replace ``owner``'s section of ``output`` (BENCHMARKS.md) with ``text``; the rest of the file stays."""
+    output.write_text(replace_generated(output.read_text() if output.exists() else "", text, owner=owner))
 
 
 if __name__ == "__main__":

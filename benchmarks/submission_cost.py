@@ -1,6 +1,7 @@
-"""Submission cost with 1,000 finished jobs in the cluster against none (issue 8).
+"""Submission cost with 1,000 finished jobs in the cluster against none; written into BENCHMARKS.md.
 
     .venv/bin/python benchmarks/submission_cost.py [--jobs 1000] [--rounds 25] [--history true|driver]
+                                                   [--output BENCHMARKS.md]
 
 Two project-local Ray heads run side by side (own state folders, ports and ``RAY_TMPDIR``;
 both stopped by their PIDs at the end): ``empty`` keeps no history; ``history`` gets
@@ -23,6 +24,7 @@ still costs Ray a job supervisor actor, about a CPU second here); ``--history dr
 each a driver that connects to the cluster (``python -c "import ray; ray.init()"``, as the phase
 entrypoint does), which also leaves a record in the GCS job table, at about twice the cost.
 They run ``--parallel`` at a time. SIGTERM or Ctrl-C stops both heads before exiting.
+The section between this script's markers in ``--output`` is replaced.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "dags" / "experiments" / "tiny_arith.yaml"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 STEPS = ("submit", "find", "resubmit")
+OWNER = "benchmarks/submission_cost.py"
 
 
 def say(text: str) -> None:
@@ -166,6 +169,36 @@ def report(heads: dict[str, Head], history: dict, args: argparse.Namespace, load
     return result
 
 
+def section(result: dict, args: argparse.Namespace) -> str:
+    from benchmarks.run import provenance
+
+    history = result["history"]
+    kind = ("`true`" if history["kind"] == "true"
+            else "a driver that connects to the cluster (`python -c 'import ray; ray.init()'`)")
+    worst = max(step["ratio_after"] for step in result["steps"].values())
+    lines = [
+        f"## Submission cost with {history['jobs']:,} finished jobs in the cluster vs none",
+        "",
+        provenance(" ".join([".venv/bin/python benchmarks/submission_cost.py", *sys.argv[1:]])),
+        "",
+        "Two local heads side by side (`verl_tasks.execution.local_head`, own state folders and ports); "
+        "measurement rounds alternate between them. `empty` never gets a history; `history` gets "
+        f"{history['jobs']:,} finished jobs between the two halves of the measurement (each job runs {kind}, "
+        f"{args.parallel} at a time: {history['seconds']:.0f} s; the head then held {history['cluster_jobs']:,} jobs). "
+        "One round times `RayJobBackend.submit` of a new unit (`submit`: one `get_job_info` answering 404, then "
+        "`submit_job`), `unit_jobs` of that unit once its job finished (`find`: two `get_job_info` by id, no "
+        "`list_jobs`), and the retry path `submit(..., resubmit_succeeded=True)` (`resubmit`: two look-ups, then "
+        "`submit_job` of attempt 2). The measured jobs carry the real entrypoint's config and run `true`; each "
+        f"is waited for, untimed, before the next step. Medians of {args.rounds} rounds per head and half.",
+        "",
+        result["markdown"],
+        "",
+        f"Largest ratio history / empty after the history was made: **{worst:.2f}**. The \"history head, still "
+        "empty\" column shows how far two identical heads differ on this machine.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=1000, help="finished jobs to put in the history head")
@@ -174,7 +207,9 @@ def main() -> int:
                         help="history jobs: a driver that connects to the cluster, or plain `true`")
     parser.add_argument("--parallel", type=int, default=8, help="history jobs running at a time")
     parser.add_argument("--json", type=Path, help="write the result here too")
+    parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
+    from benchmarks.run import write_section
     from verl_tasks.config import load_config
 
     def interrupted(signum: int, _frame: object) -> None:  # the heads are stopped on the way out
@@ -203,10 +238,12 @@ def main() -> int:
         measure(ordered, config, "after", args.rounds)
         loads.append(("after measured", os.getloadavg()))
         result = report(heads, history, args, loads)
-    print(result["markdown"])
     print(json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    text = section(result, args)
+    print(text)
+    write_section(args.output, text, OWNER)
     worst = max(step["ratio_after"] for step in result["steps"].values())
     say(f"worst ratio (history / empty, after): {worst} ({'within' if worst <= 1.2 else 'over'} 1.2)")
     return 0

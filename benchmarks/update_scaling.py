@@ -1,7 +1,7 @@
 """The tiny experiment with its update on 1, 2 and 4 workers, ddp and fsdp2: update time per epoch and accuracy.
 
     .venv/bin/python benchmarks/update_scaling.py [--epochs 8] [--json out.json]
-        [--runs 1-ddp,1-fsdp2,2-ddp,2-fsdp2,4-ddp]
+        [--runs 1-ddp,1-fsdp2,2-ddp,2-fsdp2,4-ddp] [--output BENCHMARKS.md]
 
 Every run trains ``dags/experiments/tiny_arith.yaml`` for ``--epochs`` epochs into a fresh store, in
 this one process (the inline runner), with ``resources.update.workers``/``strategy`` set; the
@@ -9,14 +9,13 @@ first distributed run starts a local Ray that the others reuse (its start is not
 time). Reported per run: the median and total of the update units' durations (from the event
 log: the ``committed`` event's ``duration_s``, i.e. loading, log-probs, training, writing), the
 held-out accuracy of the base and after the last epoch, and the final weights' largest
-difference from the 1-worker ddp run.
+difference from the first run. The section between this script's markers in ``--output`` is replaced.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "dags" / "experiments" / "tiny_arith.yaml"
+OWNER = "benchmarks/update_scaling.py"
 log = logging.getLogger("update_scaling")
 
 
@@ -60,12 +60,50 @@ def max_diff(a: str, b: str) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
+def markdown(results: list[dict], epochs: int, command: str) -> str:
+    from benchmarks.run import provenance
+
+    first = results[0]["run"]
+    lines = [
+        "## The update on 1, 2 and 4 workers, ddp and fsdp2",
+        "",
+        provenance(command),
+        "",
+        f"`dags/experiments/tiny_arith.yaml` trained for {epochs} epochs once per row, in one process (the inline "
+        "runner), each into a fresh store, changing only `resources.update.workers` and `strategy`. One ddp "
+        "worker runs in the unit's own process; every other row runs the update on Ray Train (a local Ray "
+        "started by the first such row and reused, its start in no update time). The update time is the "
+        "update unit's `committed` event's duration: loading, log-probs, training, writing into the store, "
+        "and, on Ray Train, its start-up every epoch (controller, worker processes importing torch and "
+        "transformers, the gloo process group). The last column compares the final weights with the first "
+        f"row's (`{first}`).",
+        "",
+        "| run | update s/epoch (median) | ratio to the first row | update s, all epochs | run wall (s) "
+        f"| held-out accuracy, base -> epoch {epochs - 1} | max \\|w - w({first})\\| |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in results:
+        gain = 100 * (r["accuracy"][-1] - r["base_accuracy"])
+        lines.append(f"| {r['run']} | {r['update_s_median']:.1f} | {r['update_ratio_vs_first']:.2f} "
+                     f"| {r['update_s_total']:.0f} | {r['wall_s']:.0f} | {r['base_accuracy']:.3f} -> "
+                     f"{r['accuracy'][-1]:.3f} ({gain:+.1f} points) | {r['max_weight_diff_vs_first']:.1e} |")
+    same = all(r["accuracy"] == results[0]["accuracy"] for r in results)
+    lines += ["", "Held-out accuracy after every epoch: "
+              + ("the same in every row (" + ", ".join(f"{a:.3f}" for a in results[0]["accuracy"]) + ")."
+                 if same else "; ".join(f"{r['run']} " + ", ".join(f"{a:.3f}" for a in r["accuracy"])
+                                        for r in results) + ".")]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--runs", default="1-ddp,1-fsdp2,2-ddp,2-fsdp2,4-ddp")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
+    from benchmarks.run import write_section
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
     results = []
@@ -79,18 +117,11 @@ def main() -> None:
             result["update_ratio_vs_first"] = round(result["update_s_median"] / baseline["update_s_median"], 2)
         for result in results:
             del result["weights"]  # a temporary path
-    load = os.getloadavg()
-    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.epochs} epochs")
-    print("| run | update s/epoch (median) | ratio | update s total | wall s | base acc | final acc | gain (points) "
-          "| max |w - w(first)| |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        gain = 100 * (r["accuracy"][-1] - r["base_accuracy"])
-        print(f"| {r['run']} | {r['update_s_median']:.1f} | {r['update_ratio_vs_first']:.2f} "
-              f"| {r['update_s_total']:.0f} | {r['wall_s']:.0f} | {r['base_accuracy']:.3f} "
-              f"| {r['accuracy'][-1]:.3f} | {gain:+.1f} | {r['max_weight_diff_vs_first']:.2e} |")
     if args.json:
-        args.json.write_text(json.dumps({"load_average": load, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"results": results}, indent=1))
+    text = markdown(results, args.epochs, " ".join([".venv/bin/python benchmarks/update_scaling.py", *sys.argv[1:]]))
+    print(text)
+    write_section(args.output, text, OWNER)
 
 
 if __name__ == "__main__":

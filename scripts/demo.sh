@@ -3,12 +3,13 @@
 # with every phase run on the experiment's Ray worker pools (`airflow dags test`, the task process a Ray driver), one line per
 # committed unit as it goes, then the summary table. Exit 0 on success.
 #   DEMO_EPOCHS=N (default 8, the YAML's epochs)   DEMO_EXPERIMENT=name (default tiny-arith)
+#   DEMO_RAY_STATE=dir (default .ray-head), RAY_PORT, RAY_DASHBOARD_PORT: the head's state folder and ports
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 source scripts/airflow_env.sh
 PY="$REPO/.venv/bin/python"
-STATE="$REPO/.ray-head"
+STATE="${DEMO_RAY_STATE:-$REPO/.ray-head}"
 EXPERIMENT="${DEMO_EXPERIMENT:-tiny-arith}"
 EPOCHS="${DEMO_EPOCHS:-8}"
 export VERL_TASKS_BACKEND="${VERL_TASKS_BACKEND:-ray-driver}"  # "ray": one Ray job per task (deferrable)
