@@ -7,10 +7,11 @@ Tiered response:
    failed at least once since the experiment last left safe mode, or a unit fails after
    all its retries (``on_failure_callback``), the experiment enters **safe mode**:
    ``control/safe_mode.json`` is written, so no unit of that experiment starts anywhere;
-   the DAG is paused through the REST API (connection ``verl_airflow_api``) when one is
-   configured; and the DAG's notifiers (Airflow ``BaseNotifier`` objects given to
-   ``build_dag(..., notifiers=[...])``, e.g. a provider's Slack or SMTP notifier) are called
-   with the task's context plus ``alert`` (the summary, what to do, the experiment);
+   the DAG is paused through the REST API (:mod:`verl_tasks.airflow.rest`, connection
+   ``verl_airflow_api``) when one is configured; and the DAG's notifiers (Airflow
+   ``BaseNotifier`` objects given to ``build_dag(..., notifiers=[...])``, e.g. a provider's
+   Slack or SMTP notifier) are called with the task's context plus ``alert`` (the summary,
+   what to do, the experiment);
 3. a person resumes: ``verl-tasks resume`` or a **Clear** of the failed tasks. The operators
    call :func:`lift_safe_mode_if_cleared` first: the first try after a clear lifts safe mode
    (an automatic retry never does) and the event log records the clear, with the user when
@@ -19,15 +20,12 @@ Tiered response:
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from verl_tasks.airflow import rest
 from verl_tasks.errors import NotPermitted
 from verl_tasks.events import read_events, record_event
 from verl_tasks.layout import Layout
@@ -40,7 +38,6 @@ from verl_tasks.ops.safe_mode import (
 )
 
 log = logging.getLogger(__name__)
-API_CONN_ID = os.environ.get("VERL_TASKS_AIRFLOW_API_CONN", "verl_airflow_api")
 TASK_FAILED = "task_failed"
 # Audit-log events of a person's clear: a task instance (UI, REST) or a whole DAG run.
 CLEAR_EVENTS = ("post_clear_task_instances", "clear_dag_run")
@@ -63,52 +60,34 @@ def _unit_info(context: dict[str, Any]) -> tuple[Any, Any, Any, str, dict[str, A
     return cfg, store, layout, unit, info
 
 
-def _api(path: str, body: dict[str, Any] | None = None, method: str = "GET", conn_id: str = API_CONN_ID) -> Any:
-    """One call to Airflow's REST API v2 through connection ``conn_id``.
-
-    Raises:
-        LookupError: there is no such connection.
-        OSError, ValueError: the call failed.
-    """
+def pause_dag(dag_id: str, conn_id: str = rest.API_CONN_ID) -> tuple[bool, str]:
+    """Pause a DAG through the REST API; returns (paused, what happened) for the safe-mode record. Never raises."""
     try:
-        from airflow.sdk import BaseHook
-
-        conn = BaseHook.get_connection(conn_id)
-    except Exception as err:  # noqa: BLE001 - any lookup failure means "not configured"
-        raise LookupError(conn_id) from err
-    base = f"{conn.schema or 'http'}://{conn.host}:{conn.port or 8080}".rstrip("/")
-    headers = {"Content-Type": "application/json"}
-    if conn.login:
-        login = json.dumps({"username": conn.login, "password": conn.password or ""}).encode()
-        with urllib.request.urlopen(urllib.request.Request(f"{base}/auth/token", login, headers), timeout=10) as resp:
-            headers["Authorization"] = f"Bearer {json.loads(resp.read())['access_token']}"
-    data = json.dumps(body).encode() if body is not None else None
-    with urllib.request.urlopen(urllib.request.Request(base + path, data, headers, method=method), timeout=10) as resp:
-        return json.loads(resp.read() or b"null")
-
-
-def pause_dag(dag_id: str, conn_id: str = API_CONN_ID) -> tuple[bool, str]:
-    """Pause a DAG through the REST API v2; returns (paused, what happened). Never raises."""
-    try:
-        _api(f"/api/v2/dags/{urllib.parse.quote(dag_id)}", {"is_paused": True}, "PATCH", conn_id)
+        rest.api(conn_id).pause_dag(dag_id)
         return True, f"DAG {dag_id} paused"
-    except LookupError:
+    except rest.NoConnection:
         return False, f"DAG {dag_id} not paused (no Airflow connection {conn_id!r}); the safe-mode file halts it"
     except Exception as err:  # noqa: BLE001 - report, the safe-mode file is the real guard
-        return False, f"DAG {dag_id} not paused ({type(err).__name__}); the safe-mode file halts it"
+        log.warning("DAG %s not paused: Airflow's REST API call failed (%s)", dag_id, rest.describe(err))
+        return False, f"DAG {dag_id} not paused ({rest.describe(err)}); the safe-mode file halts it"
 
 
-def cleared_by(dag_id: str, since: float | None, conn_id: str = API_CONN_ID) -> str | None:
+@functools.cache
+def _say_clears_not_recorded(conn_id: str) -> None:
+    """Once per process: without the connection no lifted safe mode can name who cleared."""
+    log.info("who cleared DAG runs is not recorded: no Airflow connection %r (add one to record the user)", conn_id)
+
+
+def cleared_by(dag_id: str, since: float | None, conn_id: str = rest.API_CONN_ID) -> str | None:
     """The user of the newest clear of ``dag_id`` after ``since`` in Airflow's audit log, or None. Never raises."""
-    query = [("dag_id", dag_id), ("order_by", "-when"), ("limit", "1")] + [("included_events", e) for e in CLEAR_EVENTS]
-    if since:
-        query.append(("after", datetime.fromtimestamp(since, UTC).isoformat()))
     try:
-        logs = _api("/api/v2/eventLogs?" + urllib.parse.urlencode(query), conn_id=conn_id).get("event_logs") or []
+        return rest.api(conn_id).newest_event_owner(
+            dag_id, CLEAR_EVENTS, datetime.fromtimestamp(since, UTC) if since else None)
+    except rest.NoConnection:
+        _say_clears_not_recorded(conn_id)
     except Exception as err:  # noqa: BLE001 - the user is a detail of the record, never a reason to fail
-        log.info("who cleared %s is unknown (%s)", dag_id, type(err).__name__)
-        return None
-    return str(logs[0].get("owner")) if logs and logs[0].get("owner") else None
+        log.warning("who cleared %s is not known: Airflow's REST API call failed (%s)", dag_id, rest.describe(err))
+    return None
 
 
 def lift_safe_mode_if_cleared(context: dict[str, Any], cfg: Any, store: Any) -> bool:
