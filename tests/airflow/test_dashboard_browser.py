@@ -5,7 +5,7 @@ A real ``airflow api-server`` (SQLite, SimpleAuthManager with a password file) s
 plugin and one experiment DAG whose store holds three finished epochs. Headless Chromium (Debian's
 ``chromium``, installed by ``make install``) runs through Playwright's Python package; nothing is
 downloaded. The screenshot is kept under the test's tmp folder; with ``VT_SAVE_SCREENSHOT=1`` it is
-also copied to ``docs/img/dashboard.png`` (the README shows it).
+also copied to ``docs/img/dashboard.png`` (the README shows it), and with ``VT_SCREENSHOT_PATH=FILE`` to FILE.
 """
 from __future__ import annotations
 
@@ -91,8 +91,9 @@ def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
             grid = frame.locator("table.grid tr")
             expect(grid).to_have_count(EPOCHS + 1)  # header + one row per epoch
             expect(frame.locator("table.grid td.committed")).not_to_have_count(0)
-            retried = frame.locator(f'span.retried[title^="{EXPERIMENT}/epochs/00001/rollout/b0002: committed"]')
+            retried = frame.locator(f'a.retried[title^="{EXPERIMENT}/epochs/00001/rollout/b0002: committed"]')
             expect(retried).to_have_attribute("title", re.compile(r"2 attempt\(s\), 1 failed"))
+            expect(retried).to_have_text("2")  # the number of tries, drawn in the cell
             chart = frame.locator(".chart svg")
             expect(chart).to_be_visible()
             assert chart.locator("path").count() >= 6, "no curve drawn"  # one line per curve at least
@@ -100,10 +101,15 @@ def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
                 expect(chart.get_by_text(title, exact=True)).to_be_visible()
             expect(frame.locator("table.snapshots tr")).to_have_count(EPOCHS + 1)
             page.screenshot(path=str(shot), full_page=True)
+            retried.click()  # each cell links to its unit's page, inside the same frame
+            expect(frame.locator("h1")).to_have_text(f"{EXPERIMENT}/epochs/00001/rollout/b0002", timeout=60_000)
+            expect(frame.locator("table.events td", has_text="RuntimeError: worker lost")).to_have_count(1)
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
+    targets = [Path(os.environ["VT_SCREENSHOT_PATH"])] if os.environ.get("VT_SCREENSHOT_PATH") else []
     if os.environ.get("VT_SAVE_SCREENSHOT") == "1":
-        target = REPO / "docs" / "img" / "dashboard.png"
+        targets.append(REPO / "docs" / "img" / "dashboard.png")
+    for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shot, target)

@@ -321,3 +321,163 @@ def test_a_scheduled_child_belongs_to_its_dag_in_a_shared_store(tmp_path):
                     ("dag_b", _yaml(tmp_path, "dag_b", "exp-b", store)))
     assert sorted(_shown(render_page([a], [a, b]))) == ["exp-a", "exp-a-20260101T000000"]
     assert _shown(render_page([b], [a, b])) == ["exp-b"]
+
+
+# Epoch 2 of exp-a as Airflow leaves it after a bad night, every record written by the product's own code:
+# the runner's run_unit (started / failed / committed events), the tasks' retry and failure callbacks
+# (task_failed with try numbers; the last one enters safe mode through escalate), validate's write_skipped.
+RETRIES = 3
+LOG_TAIL = ('Traceback (most recent call last):\n  File "/work/verl_tasks/phases/rollout.py", line 88, in produce\n'
+            '    samples = engine.generate(prompts)\nRuntimeError: CUDA error: device-side assert triggered')
+
+
+def _context(path: Path, phase: str, batch: int, try_number: int, error: Exception) -> dict:
+    """The parts of an Airflow task context the callbacks read (as in test_escalation)."""
+    from verl_tasks.airflow.operators import VerlPhaseOperator
+
+    task = VerlPhaseOperator(task_id=phase, config_path=str(path), phase=phase, epoch=2, batch=batch,
+                             backend="ray", retries=RETRIES)
+    ti = SimpleNamespace(task_id=f"epoch_002.{phase}", map_index=batch, try_number=try_number, max_tries=RETRIES,
+                         dag_id="dag_a", run_id="manual__1")
+    dag_run = SimpleNamespace(conf={}, run_type="manual", run_id="manual__1")
+    return {"task": task, "ti": ti, "exception": error, "dag_run": dag_run, "params": {}}
+
+
+def _try(ctx, path: Path, phase: str, batch: int, try_number: int, *, fails: bool, ran: bool = True) -> None:
+    """One try of the batch's task: its unit runs (unless the try failed before it started, e.g. a lost Ray
+    job) and, when it fails, Airflow's callback records it: a retry below the last try, else the failure."""
+    from verl_tasks.airflow import callbacks
+    from verl_tasks.errors import JobFailed
+    from verl_tasks.phases.common import run_unit
+
+    def produce(writer):
+        if fails:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        writer.write_json("samples.json", {"batch": batch})
+        return {}
+
+    if ran:
+        try:
+            run_unit(ctx, phase, ctx.layout.unit(phase, 2, batch), 2, produce, batch)
+        except RuntimeError:
+            assert fails
+    if fails:
+        job = f"vt-exp-a-e2-{phase}-b{batch}-a{try_number}"
+        error = JobFailed(job, "FAILED", LOG_TAIL) if ran else JobFailed(job, "FAILED (node lost)", "")
+        callback = callbacks.on_failure if try_number > RETRIES else callbacks.on_retry
+        callback(_context(path, phase, batch, try_number, error))
+
+
+@pytest.fixture
+def bad_night(tmp_path, monkeypatch):
+    """exp-a (dag_a, 4 batches): epochs 0 and 1 finished; in epoch 2, rollout b0 failed once then committed,
+    score b0 lost its Ray job once then committed, rollout b1 failed all 4 tries (safe mode), b2 was skipped."""
+    from verl_tasks.phases.common import PhaseContext
+    from verl_tasks.pinning import pin_experiment
+    from verl_tasks.store.conventions import write_skipped
+
+    monkeypatch.delenv("VERL_TASKS_AIRFLOW_API_CONN", raising=False)
+    fabricate(tmp_path / "s", "exp-a", 2, 4)
+    path = _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}", batches=4)
+    source, = _sources(("dag_a", path))
+    ctx = PhaseContext(source.config("exp-a"), source.store)
+    (tmp_path / "s" / ctx.layout.experiment_json).unlink()  # fabricate's has no config hash: pin this config
+    pin_experiment(ctx)
+    _try(ctx, path, "rollout", 0, 1, fails=True)
+    _try(ctx, path, "rollout", 0, 2, fails=False)
+    _try(ctx, path, "score", 0, 1, fails=True, ran=False)
+    _try(ctx, path, "score", 0, 2, fails=False)
+    for try_number in range(1, RETRIES + 2):
+        _try(ctx, path, "rollout", 1, try_number, fails=True)
+    write_skipped(source.store, ctx.layout, 2, [2], 4, 0.75)
+    return source, ctx
+
+
+def _cell(page: str, key: str) -> tuple[str, str, str]:
+    """(class, title, text) of the grid cell of batch unit ``key``, checking that it links to the unit's page."""
+    import html
+    import re
+
+    found = re.search(r'<a class="([^"]*)" title="(' + re.escape(key) + r':[^"]*)" href="([^"]*)">([^<]*)</a>', page)
+    assert found, key
+    assert html.unescape(found.group(3)) == f"/verl-tasks/unit?dag=dag_a&key={key}"
+    return found.group(1), html.unescape(found.group(2)), found.group(4)
+
+
+def test_the_grid_shows_failed_retried_and_skipped_units_and_links_each_to_its_page(bad_night):
+    from verl_tasks.airflow.plugin import render_page
+
+    source, ctx = bad_night
+    page = render_page([source], [source])
+    layout = ctx.layout
+    css, title, text = _cell(page, layout.rollout(2, 0))
+    assert (css, text) == ("committed retried", "2") and ": committed, 2 attempt(s), 1 failed" in title
+    css, title, text = _cell(page, layout.score(2, 0))  # its failed try never started the unit: a lost Ray job
+    assert (css, text) == ("committed retried", "2") and ": committed, 2 attempt(s), 1 failed" in title
+    css, title, text = _cell(page, layout.rollout(2, 1))  # runner and callback told of each try: counted once
+    assert (css, text) == ("failed retried", "4") and ": failed, 4 attempt(s), 4 failed" in title
+    assert "failed for good: Clear its task" in title and "RuntimeError: CUDA error" in title
+    assert _cell(page, layout.rollout(2, 2))[0] == "skipped"
+    assert "the epoch went on without this batch" in _cell(page, layout.rollout(2, 2))[1]
+    assert _cell(page, layout.rollout(2, 3))[:2] == ("absent", f"{layout.rollout(2, 3)}: absent, 0 attempt(s)")
+    assert _cell(page, layout.rollout(1, 1))[0] == "committed"  # a unit that never failed is plain
+    assert f'<a href="/verl-tasks/unit?dag=dag_a&amp;key={layout.update(1)}">committed 0.5s</a>' in page
+
+
+def test_the_safe_mode_notice_says_what_happened_and_the_clear_to_do_first(bad_night):
+    import html
+    import re
+
+    from verl_tasks.airflow.plugin import render_page
+
+    source, ctx = bad_night
+    page = render_page([source], [source])
+    assert "{&#39;commands&#39;" not in page and "\\n" not in page  # no raw record
+    block = re.search(r'<div class="safe-mode" role="alert">(.*?)</div>', page, re.S)
+    assert block, page[:3000]
+    first = re.search(r"<p[^>]*>(.*?)</p>", block.group(1), re.S).group(1)
+    first = " ".join(html.unescape(re.sub(r"<[^>]+>", "", first)).split())
+    unit = ctx.layout.rollout(2, 1)
+    assert first.startswith(f"SAFE MODE: {unit} failed after all its retries. To continue: Clear "
+                            "epoch_002.rollout (map index 1) in DAG dag_a with Downstream checked"), first
+    assert '<a href="/dags/dag_a/tasks/epoch_002.rollout" target="_top"><code>epoch_002.rollout</code></a>' in page
+    what = block.group(1)
+    assert f'<a href="/verl-tasks/unit?dag=dag_a&amp;key={unit}">{unit}</a>' in what
+    assert ("try 4:\n<strong class=\"error-class\">JobFailed</strong>: Ray job vt-exp-a-e2-rollout-b1-a4 ended "
+            "FAILED. Log tail:") in what
+    assert what.index("Clear") < what.index("JobFailed") < what.index("verl-tasks resume")  # the Clear first
+    folded = re.findall(r"<details[^>]*>\s*<summary>[^<]*</summary>\s*<pre>(.*?)</pre>\s*</details>", page, re.S)
+    assert len(folded) == 1 and html.unescape(folded[0]) == LOG_TAIL
+    assert page.count("Traceback (most recent call last)") == 1  # only there: folded
+
+
+def test_the_unit_page_links_its_airflow_task_and_folds_each_traceback(bad_night):
+    import re
+
+    from verl_tasks.airflow.plugin import render_unit
+
+    source, ctx = bad_night
+    page = render_unit(source, "exp-a", ctx.layout.rollout(2, 1))
+    assert 'Airflow task <a href="/dags/dag_a/tasks/epoch_002.rollout" target="_top">' in page
+    assert page.count("<td>task_failed</td>") == 4 and page.count("<td>failed</td>") == 4
+    assert "<td>4 (last)</td>" in page and "<td>JobFailed: Ray job vt-exp-a-e2-rollout-b1-a4 ended FAILED." in page
+    assert page.count("Traceback (most recent call last)") == 4
+    assert len(re.findall(r"<details[^>]*><summary>[^<]*</summary><pre>Traceback \(most", page)) == 4
+
+
+def test_a_safe_mode_without_a_dag_says_resume_then_run(tmp_path):
+    from verl_tasks.airflow.plugin import render_page
+    from verl_tasks.ops.safe_mode import escalate
+
+    fabricate(tmp_path / "s", "exp-a", 1, 2)
+    path = _yaml(tmp_path, "dag_a", "exp-a", f"file://{tmp_path / 's'}")
+    source, = _sources(("dag_a", path))
+    cfg = source.config("exp-a")
+    unit = "exp-a/epochs/00001/update"
+    escalate(cfg, [{"unit": unit, "error": "MemoryError: CUDA out of memory"}], f"{unit} failed after all its retries",
+             source.store, config_path=path)
+    page = render_page([source], [source])
+    first = page.split('<p class="alert safe-mode-first">', 1)[1].split("</p>", 1)[0]
+    assert first.startswith(f"SAFE MODE: {unit} failed after all its retries.\nTo continue: fix the cause, then "
+                            "<code>verl-tasks resume "), first
+    assert "<strong class=\"error-class\">MemoryError</strong>: CUDA out of memory" in page and "<details" not in page

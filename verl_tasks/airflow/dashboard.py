@@ -3,9 +3,18 @@
 :func:`experiment_view` gathers one experiment's status (per epoch and phase, per batch for
 the mapped phases), the attempts and durations of each unit from the event log, the
 snapshots with their size and verification state, the curves of the training metrics and
-the event log filtered by epoch and phase. :func:`store_records` lists the experiments
-a store holds (bounded), each with the DAG it records. The templates in ``templates/``
-turn the view into HTML.
+the event log filtered by epoch and phase, and the safe-mode record as a person reads it
+(:func:`safe_mode_view`: what happened, the Clear to do, the traceback apart). :func:`store_records`
+lists the experiments a store holds (bounded), each with the DAG it records. The templates in
+``templates/`` turn the view into HTML.
+
+A unit's cell shows the store's state (committed, pruned, absent) and what the event log says of its
+tries: ``failed`` (a try failed and none committed since; Airflow may still retry it), ``running``
+(a try started and has not ended), ``skipped`` (the epoch went on without the batch:
+:func:`verl_tasks.store.conventions.read_skipped`, through ``status``), and ``retried`` with the number
+of tries when there was more than one. A failed try is counted once although two records may tell of
+it: the runner's ``failed`` event and the task's ``task_failed`` (Airflow's retry or failure callback,
+which also sees tries that failed before the unit started, e.g. a lost Ray job).
 
 Events are immutable files, so each one is parsed once per process (:data:`_EVENT_CACHE`)
 and a page reads at most :data:`MAX_EVENTS_READ` of them, the newest.
@@ -19,6 +28,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from verl_tasks.config import ExperimentConfig, check_name
 from verl_tasks.errors import ConfigError
@@ -40,7 +50,10 @@ CURVES = (
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad norm"),
 )
-UNIT_EVENTS = ("started", "failed", "committed", "lost_race", "skipped")
+TASK_FAILED = "task_failed"  # verl_tasks.airflow.callbacks.TASK_FAILED: a failed try, as Airflow's callback saw it
+UNIT_EVENTS = ("started", "failed", "committed", "lost_race", "skipped", TASK_FAILED)
+TRACEBACK = "Traceback (most recent call last)"
+MESSAGE_SHOWN = 400  # characters of an error's message shown in full; the rest goes with the traceback
 
 SVGS_KEPT = 32
 _SVG_CACHE: OrderedDict[str, str] = OrderedDict()
@@ -49,31 +62,65 @@ _EVENT_CACHE: OrderedDict[tuple[str, str], dict[str, Any] | None] = OrderedDict(
 
 @dataclass
 class UnitCell:
-    """One unit in the epoch x phase grid."""
+    """One unit in the epoch x phase grid: its state in the store and its tries from the event log."""
 
-    state: str = "absent"
-    attempts: int = 0
-    failures: int = 0
+    state: str = "absent"  # the store's: committed, pruned or absent
+    attempts: int = 0  # attempts started (distinct attempt ids of the runner's ``started`` events)
+    failures: int = 0  # failed tries (a runner ``failed`` and the task's ``task_failed`` of one try count once)
     duration_s: float | None = None
     key: str = ""
+    skipped: bool = False  # the epoch went on without this batch
+    running: bool = False  # the newest try started and has not ended
+    final: bool = False  # the newest failure was the task's last try: Airflow retries it no more
+    error: str = ""  # the newest failure's error, its first line
+    epoch: int | None = None
 
     @property
-    def shown(self) -> tuple[str, str, str]:
-        """(CSS classes, tooltip, text) as the grid draws the cell: plain values, cheap to render in bulk."""
-        css = self.state + (" retried" if self.attempts > 1 else "") + (
-            " failed" if self.failures and self.state != "committed" else "")
-        text = self.state + (f" ×{self.attempts}" if self.attempts > 1 else "") + (
-            f" {self.duration_s:.1f}s" if self.duration_s is not None else "")
-        return css, self.title, text
+    def tries(self) -> int:
+        """Tries so far: the failed ones, plus the one that committed or is running."""
+        done = 1 if self.state in ("committed", "pruned") or self.running else 0
+        return max(self.attempts, self.failures + done)
+
+    @property
+    def shown_state(self) -> str:
+        if self.state in ("committed", "pruned"):
+            return self.state
+        if self.skipped:
+            return "skipped"
+        if self.running:
+            return "running"
+        return "failed" if self.failures else self.state
+
+    def shown(self, href: str = "", batched: bool = False) -> tuple[str, str, str, str]:
+        """(CSS classes, tooltip, text, link) as the grid draws the cell: plain values, cheap to render in bulk.
+        The link is ``href`` followed by the URL-quoted key. A batch's cell is small: its text is the number
+        of tries when there was more than one."""
+        state, tries = self.shown_state, self.tries
+        css = state + (" retried" if tries > 1 else "")
+        if batched:
+            text = str(tries) if tries > 1 else ""
+        else:
+            text = state + (f" ×{tries}" if tries > 1 else "") + (
+                f" {self.duration_s:.1f}s" if self.duration_s is not None else "")
+        return css, self.title, text, href + quote(self.key, safe="/")
 
     @property
     def title(self) -> str:
-        parts = [f"{self.key}: {self.state}", f"{self.attempts} attempt(s)"]
+        state = self.shown_state
+        parts = [f"{self.key}: {state}", f"{self.tries} attempt(s)"]
         if self.failures:
             parts.append(f"{self.failures} failed")
         if self.duration_s is not None:
             parts.append(f"{self.duration_s:.2f} s")
-        return ", ".join(parts)
+        text = ", ".join(parts)
+        if state == "skipped":
+            text += "; the epoch went on without this batch"
+        elif state == "failed":
+            text += ("; failed for good: Clear its task to run it again" if self.final
+                     else "; Airflow retries it unless it was the last try")
+        if self.error and state != "committed":
+            text += f"; last error: {self.error[:200]}"
+        return text
 
 
 @dataclass
@@ -81,7 +128,7 @@ class EpochRow:
     epoch: int
     phases: dict[str, str]
     metrics: dict[str, float]
-    cells: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)  # UnitCell.shown per unit
+    cells: dict[str, list[tuple[str, str, str, str]]] = field(default_factory=dict)  # UnitCell.shown per unit
 
 
 def _event(store: ObjectStore, key: str) -> dict[str, Any] | None:
@@ -106,22 +153,43 @@ def recent_events(store: ObjectStore, layout: Layout) -> list[dict[str, Any]]:
 
 
 def _unit_stats(events: list[dict[str, Any]]) -> dict[str, UnitCell]:
-    """Per unit key: attempts started, failures, and the duration of the attempt that committed."""
+    """Per unit key, from the events in time order: attempts started, failed tries, whether a try is running,
+    the newest error and the duration of the attempt that committed."""
     cells: dict[str, UnitCell] = {}
     seen: dict[str, set[str]] = {}
+    told: set[str] = set()  # units whose newest failure the runner recorded and the task has not yet
     for event in events:
-        unit = event.get("unit")
-        if event.get("kind") not in UNIT_EVENTS or not isinstance(unit, str):
+        unit, kind = event.get("unit"), event.get("kind")
+        if kind not in UNIT_EVENTS or not isinstance(unit, str):
             continue
         cell = cells.setdefault(unit, UnitCell(key=unit))
-        if event["kind"] == "started":
+        if isinstance(event.get("epoch"), int):
+            cell.epoch = event["epoch"]
+        if kind == "started":
             seen.setdefault(unit, set()).add(str(event.get("attempt")))
-            cell.attempts = len(seen[unit])
-        elif event["kind"] == "failed":
+            cell.attempts, cell.running = len(seen[unit]), True
+            told.discard(unit)
+        elif kind == "failed":  # the runner: this attempt raised
             cell.failures += 1
-        elif event["kind"] == "committed":
-            cell.duration_s = _number(event.get("duration_s"))
+            cell.running, cell.final, cell.error = False, False, first_line(event.get("error"))
+            told.add(unit)
+        elif kind == TASK_FAILED:  # Airflow's callback: this try failed (its attempt's own "failed" may precede it)
+            if unit in told:
+                told.discard(unit)
+            else:
+                cell.failures += 1
+                cell.error = first_line(event.get("error"))
+            cell.running, cell.final = False, bool(event.get("final"))
+        elif kind in ("committed", "lost_race"):
+            cell.running = False
+            told.discard(unit)
+            if kind == "committed":
+                cell.duration_s = _number(event.get("duration_s"))
     return cells
+
+
+def first_line(text: Any) -> str:
+    return str(text or "").strip().split("\n", 1)[0]
 
 
 def _number(value: Any) -> float | None:
@@ -139,30 +207,98 @@ def _batch_states(store: ObjectStore, layout: Layout, epoch: int, phase: str, ba
 
 
 def _grid(cfg: ExperimentConfig, store: ObjectStore, rows: list[dict[str, Any]],
-          stats: dict[str, UnitCell]) -> list[EpochRow]:
+          stats: dict[str, UnitCell], href: str = "") -> list[EpochRow]:
     layout = Layout(cfg.experiment)
     batches = cfg.rollout.batches_per_epoch
+    known = {row["epoch"] for row in rows}
+    # An epoch whose units only failed so far has no row in ``status``: the grid shows it all the same.
+    tried = {c.epoch for c in stats.values() if (c.failures or c.running) and c.epoch is not None
+             and 0 <= c.epoch < cfg.epochs and c.epoch not in known}
+    if tried:
+        rows = sorted(rows + [{"epoch": e, "phases": dict.fromkeys(PHASE_NAMES, "absent"), "metrics": {}}
+                              for e in tried], key=lambda row: row["epoch"])
     out = []
     for row in rows:
         epoch_row = EpochRow(row["epoch"], row["phases"], row["metrics"])
+        skipped = set(row.get("skipped_batches") or ())
         for phase in PHASE_NAMES:
             state = row["phases"][phase]
             if phase in BATCHED:
                 states = (_batch_states(store, layout, row["epoch"], phase, batches) if "/" in state
                           else [state] * batches)
-                units = [PHASES[phase].unit(layout, row["epoch"], b) for b in range(batches)]
+                epoch_row.cells[phase] = [
+                    _cell(PHASES[phase].unit(layout, row["epoch"], b), s, stats, b in skipped).shown(href, True)
+                    for b, s in enumerate(states)]
             else:
-                states, units = [state], [PHASES[phase].unit(layout, row["epoch"])]
-            epoch_row.cells[phase] = [_cell(unit, s, stats.get(unit)).shown
-                                      for unit, s in zip(units, states, strict=True)]
+                epoch_row.cells[phase] = [_cell(PHASES[phase].unit(layout, row["epoch"]), state, stats).shown(href)]
         out.append(epoch_row)
     return out
 
 
-def _cell(unit: str, state: str, seen: UnitCell | None) -> UnitCell:
+def _cell(unit: str, state: str, stats: dict[str, UnitCell], skipped: bool = False) -> UnitCell:
+    seen = stats.get(unit)
     if seen is None:
-        return UnitCell(state=state, key=unit)
-    return UnitCell(state, seen.attempts, seen.failures, seen.duration_s, unit)
+        return UnitCell(state=state, key=unit, skipped=skipped)
+    return UnitCell(state, seen.attempts, seen.failures, seen.duration_s, unit, skipped, seen.running, seen.final,
+                    seen.error, seen.epoch)
+
+
+def split_error(text: Any) -> tuple[str, str, str]:
+    """``(error class, message, detail)`` of an ``"ErrorClass: message\\n..."`` text as the events and the
+    safe-mode record keep it: the detail is what follows the message's first line (a traceback, a Ray
+    job's log tail), or the whole text when the message is too long to read at a glance."""
+    text = str(text or "").strip()
+    head, sep, rest = text.partition(": ")
+    if sep and head[:1].isalpha() and head.replace(".", "").replace("_", "").isalnum():
+        cls, body = head, rest
+    else:
+        cls, body = "", text
+    message, _, detail = body.partition("\n")
+    at = message.find(TRACEBACK)
+    if at >= 0:  # a traceback run into the message's line
+        detail = message[at:] + ("\n" + detail if detail else "")
+        message = message[:at].rstrip()
+    if len(message) > MESSAGE_SHOWN:
+        detail = message + ("\n" + detail if detail else "")
+        message = message[:MESSAGE_SHOWN].rstrip() + "…"
+    return cls, message.strip(), detail.strip("\n")
+
+
+def safe_mode_view(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The safe-mode record (:func:`verl_tasks.ops.safe_mode.escalate`) as the page shows it, or None.
+
+    ``what`` (one line: why it halted, naming the failed units), ``units`` (each: unit, task_id, map_index,
+    try_number, error_class, message, detail), ``dag_id`` and ``paused`` (the Clear to do, and whether to
+    unpause first), ``commands`` (each runnable as printed), ``entered`` (when)."""
+    if not isinstance(record, dict):
+        return None
+    units: list[dict[str, Any]] = []
+    for item in record.get("failed_units") or []:
+        if not isinstance(item, dict):
+            continue
+        cls, message, detail = split_error(item.get("error"))
+        map_index = item.get("map_index")
+        units.append({
+            "unit": str(item.get("unit") or "?"),
+            "task_id": str(item["task_id"]) if item.get("task_id") else None,
+            "map_index": map_index if isinstance(map_index, int) and map_index >= 0 else None,
+            "try_number": item.get("try_number"),
+            "error_class": cls, "message": message, "detail": detail,
+            "detail_lines": detail.count("\n") + 1 if detail else 0,
+        })
+    reason = str(record.get("reason") or record.get("summary") or "halted")
+    unnamed = [str(u["unit"]) for u in units if u["unit"] not in reason]
+    commands = record.get("commands")
+    if not isinstance(commands, dict):
+        commands = {}
+    return {
+        "what": reason + (f" (failed: {', '.join(unnamed)})" if unnamed else ""),
+        "units": units,
+        "dag_id": str(record["dag_id"]) if record.get("dag_id") else None,
+        "paused": bool(record.get("dag_paused")),
+        "commands": {str(k): str(v) for k, v in commands.items() if v},
+        "entered": _when({"time": record.get("entered_at")}) if record.get("entered_at") else None,
+    }
 
 
 def _when(event: dict[str, Any]) -> str:
@@ -269,8 +405,9 @@ def filter_events(events: list[dict[str, Any]], epoch: int | None, phase: str | 
 
 
 def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | None = None,
-                    phase: str | None = None) -> dict[str, Any]:
-    """Everything one experiment's section shows (see the module docstring)."""
+                    phase: str | None = None, unit_href: str = "") -> dict[str, Any]:
+    """Everything one experiment's section shows (see the module docstring); each grid cell links to
+    ``unit_href`` followed by its unit's URL-quoted key (the unit's page)."""
     from verl_tasks.status import status
 
     if phase is not None and phase not in PHASES:
@@ -281,7 +418,8 @@ def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | N
     stats = _unit_stats(events)
     return {
         "status": st,
-        "grid": _grid(cfg, store, st["epochs"], stats),
+        "grid": _grid(cfg, store, st["epochs"], stats, unit_href),
+        "safe_mode": safe_mode_view(st["safe_mode"]),
         "phases": PHASE_NAMES,
         "batched": BATCHED,
         "snapshots": _snapshots(layout, st["epochs"], events, st["quarantined"]),
@@ -309,4 +447,5 @@ def store_records(store: ObjectStore, limit: int = MAX_EXPERIMENTS_LISTED) -> di
 
 
 __all__ = ["experiment_view", "store_records", "curves_svg", "chart_rows", "filter_events",
-           "recent_events", "EVENTS_SHOWN", "MAX_EVENTS_READ", "MAX_EXPERIMENTS_LISTED", "CURVES"]
+           "recent_events", "safe_mode_view", "split_error", "EVENTS_SHOWN", "MAX_EVENTS_READ",
+           "MAX_EXPERIMENTS_LISTED", "CURVES"]

@@ -8,7 +8,7 @@ dashboard named by the operator's Ray connection (empty for inline tasks or befo
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from airflow.sdk import BaseOperatorLink
 
@@ -36,6 +36,23 @@ def base_path() -> str:
     from airflow.configuration import conf
 
     return urlparse(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
+
+
+def task_id(phase: str, epoch: int) -> str:
+    """The Airflow task id of ``phase`` in ``epoch`` (``factory.build_dag``: one task group per epoch)."""
+    return f"epoch_{epoch:03d}.{phase}"
+
+
+def task_url(dag_id: str, task: str) -> str:
+    """The task's page in Airflow's UI: its task instances over the runs (map indexes included), where a
+    person reads the log and clears it."""
+    return f"{base_path()}/dags/{quote(dag_id, safe='')}/tasks/{quote(task, safe='')}"
+
+
+def unit_page(dag_id: str, key: str = "") -> str:
+    """The unit's page on the Training dashboard (its experiment is the key's first part); with ``key``
+    empty, the prefix a URL-quoted key completes (the Training page's cells)."""
+    return f"{base_path()}{DASHBOARD}/unit?{urlencode({'dag': dag_id})}&key={quote(key, safe='/')}"
 
 
 class StoreUnitLink(BaseOperatorLink):
@@ -71,4 +88,4 @@ class RayJobLink(BaseOperatorLink):
         return f"{ray_target(operator.ray_conn_id).address.rstrip('/')}/#/jobs/{submission}"
 
 
-__all__ = ["StoreUnitLink", "RayJobLink"]
+__all__ = ["StoreUnitLink", "RayJobLink", "task_id", "task_url", "unit_page"]

@@ -189,15 +189,24 @@ def _templates():
 
 def render_section(source: Source, experiment: str, epoch: int | None = None, phase: str | None = None
                    ) -> dict[str, Any] | str:
-    """One experiment's view for the template, or a one-line notice when its store cannot be read."""
+    """One experiment's view for the template, or a one-line notice when its store cannot be read.
+
+    Each unit cell links to the unit's page; the safe-mode notice links each failed unit's page and its
+    task in Airflow's UI, where a person clears it."""
     from verl_tasks.airflow.dashboard import experiment_view
+    from verl_tasks.airflow.links import task_url, unit_page
 
     try:
-        view = experiment_view(source.config(experiment), source.store, epoch=epoch, phase=phase)
+        view = experiment_view(source.config(experiment), source.store, epoch=epoch, phase=phase,
+                               unit_href=unit_page(source.dag_id))
     except Exception as err:  # noqa: BLE001 - one broken experiment must not hide the others
         if _is_access_error(err):
             return unreachable(source, err)
         return f"{source.dag_id} / {experiment}: {type(err).__name__}: {err}"
+    halted = view["safe_mode"]
+    for unit in (halted or {}).get("units", []):
+        unit["unit_url"] = unit_page(source.dag_id, unit["unit"])
+        unit["task_url"] = task_url(halted["dag_id"] or source.dag_id, unit["task_id"]) if unit["task_id"] else None
     return {"dag": source.dag_id, "yaml": source.path.name, "view": view}
 
 
@@ -236,10 +245,13 @@ def render_page(readable: list[Source], everyone: list[Source], *,
 
 
 def render_unit(source: Source, experiment: str, key: str) -> str:
-    """The page of one unit in storage: its committed record, files and events (the task's extra link)."""
+    """The page of one unit in storage: its committed record, files, events (each error's traceback folded) and
+    a link to its task in Airflow's UI (the task's extra link and the Training page's cells lead here)."""
     from datetime import datetime
+    from urllib.parse import urlencode
 
-    from verl_tasks.airflow.dashboard import recent_events
+    from verl_tasks.airflow.dashboard import recent_events, split_error
+    from verl_tasks.airflow.links import base_path, task_id, task_url
     from verl_tasks.layout import Layout
     from verl_tasks.store.units import is_pruned, read_marker
 
@@ -247,10 +259,18 @@ def render_unit(source: Source, experiment: str, key: str) -> str:
     events = [e for e in recent_events(source.store, Layout(experiment)) if e.get("unit") == key]
     committed_at = (datetime.fromtimestamp(record.committed_at, UTC).isoformat(timespec="seconds")
                     if record and record.committed_at else None)
+    task = next((str(e["task_id"]) for e in reversed(events) if e.get("task_id")), None) or next(
+        (task_id(e["phase"], e["epoch"]) for e in reversed(events)
+         if isinstance(e.get("phase"), str) and isinstance(e.get("epoch"), int)), None)
+    shown = []
+    for event in reversed(events):
+        cls, message, detail = split_error(event.get("error"))
+        shown.append({**event, "error_head": f"{cls}: {message}" if cls else message, "error_detail": detail})
     return _templates().get_template("unit.html").render(
         unit=key, experiment=experiment, dag=source.dag_id, url=source.store.url(key), record=record,
-        committed_at=committed_at, pruned=is_pruned(source.store, key), events=list(reversed(events)),
-        back=f"{PREFIX}/?experiment={experiment}&dag={source.dag_id}")
+        committed_at=committed_at, pruned=is_pruned(source.store, key), events=shown,
+        task=task, task_url=task_url(source.dag_id, task) if task else None,
+        back=f"{base_path()}{PREFIX}/?{urlencode({'experiment': experiment, 'dag': source.dag_id})}")
 
 
 async def airflow_user(request: Request,
@@ -319,8 +339,10 @@ def create_app():
                            epoch=_epoch(epoch), phase=phase or None)
 
     @app.get("/unit", response_class=HTMLResponse)
-    def unit(user=Depends(airflow_user), dag: str = Query(...), experiment: str = Query(...),
+    def unit(user=Depends(airflow_user), dag: str = Query(...), experiment: str | None = Query(None),
              key: str = Query(...)) -> str:
+        """One unit's page; ``experiment`` defaults to the key's first part (the grid's links leave it out)."""
+        experiment = experiment or key.split("/", 1)[0]
         readable, everyone = _readable_sources(user, dag)
         found, _ = find_experiments(readable, everyone)
         source = next((s for s, name in found if name == experiment), None)
