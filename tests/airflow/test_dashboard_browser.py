@@ -2,7 +2,10 @@
 click "Training" in the main navigation, and read the page Airflow shows in its frame.
 
 A real ``airflow api-server`` (SQLite, SimpleAuthManager with a password file) serves the UI, the
-plugin and one experiment DAG whose store holds three finished epochs. Headless Chromium (Debian's
+plugin and one experiment DAG. Its store holds a real run: the shipped tiny experiment
+(``dags/experiments/tiny_arith.yaml``), trained for a few epochs by the product's own runner
+(``verl_tasks.runner.train``) once per module, one rollout batch of which fails once, at its
+``before_commit`` hook point, and is retried by the runner. Headless Chromium (Debian's
 ``chromium``, installed by ``make install``) runs through Playwright's Python package; nothing is
 downloaded. The screenshot is kept under the test's tmp folder; with ``VT_SAVE_SCREENSHOT=1`` it is
 also copied to ``docs/img/dashboard.png`` (the README shows it), and with ``VT_SCREENSHOT_PATH=FILE`` to FILE.
@@ -17,63 +20,87 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.dashboard_render import fabricate
 from tests.airflow.api_server import REPO, airflow_cli, airflow_env, serving, write_passwords
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
-EXPERIMENT, DAG_ID, EPOCHS = "browser-demo", "vt_browser", 12
+EXPERIMENT, DAG_ID, EPOCHS = "browser-demo", "vt_browser", 6
+FAILS_ONCE = (1, 2)  # (epoch, batch) of the rollout unit whose first try fails
+FAULT = "worker lost (a fault the test injects before the commit)"
 
 pytestmark = pytest.mark.airflow
 
 
-def _layout(root: Path) -> None:
-    """One experiment YAML, its DAG file, and a store with three finished epochs of it."""
+def _layout(root: Path) -> Path:
+    """One experiment YAML (the shipped tiny experiment, EPOCHS epochs) and its DAG file; returns the YAML."""
     raw = yaml.safe_load((REPO / "dags" / "experiments" / "tiny_arith.yaml").read_text())
     raw.update(experiment=EXPERIMENT, epochs=EPOCHS)
-    raw.setdefault("rollout", {})["batches_per_epoch"] = 4
     raw["storage"] = {"uri": f"file://{root / 'store'}"}
-    (root / "experiments").mkdir()
-    (root / "experiments" / f"{DAG_ID}.yaml").write_text(yaml.safe_dump(raw))
+    raw["fault_tolerance"] = {"retry_delay_s": 1}  # the retry of the failed try comes a second later
+    config = root / "experiments" / f"{DAG_ID}.yaml"
+    config.parent.mkdir()
+    config.write_text(yaml.safe_dump(raw))
     (root / "dags").mkdir()
     (root / "dags" / f"{DAG_ID}.py").write_text(
         "from verl_tasks.airflow.factory import build_dag\n"
-        f"dag = build_dag({str(root / 'experiments' / f'{DAG_ID}.yaml')!r})\n")
-    fabricate(root / "store", EXPERIMENT, EPOCHS, 4)
-    _failed_attempt(root / "store")
+        f"dag = build_dag({str(config)!r})\n")
+    return config
 
 
-def _failed_attempt(store_root: Path) -> None:
-    """Rollout batch 2 of epoch 1 failed once before it committed: its cell shows the retry."""
-    from verl_tasks.events import record_event
-    from verl_tasks.layout import Layout
-    from verl_tasks.store.local import LocalStore
+def _train(config: Path) -> dict:
+    """Train the experiment for real with the product's runner; rollout batch FAILS_ONCE fails its first try
+    just before its commit (the runner records it, then retries the unit). Returns the final status."""
+    from verl_tasks import hooks
+    from verl_tasks.config import load_config
+    from verl_tasks.runner import make_context, train
 
-    unit = Layout(EXPERIMENT).rollout(1, 2)
-    ids = {"unit": unit, "epoch": 1, "phase": "rollout", "batch": 2, "attempt": "first-try"}
-    record_event(LocalStore(store_root), Layout(EXPERIMENT), "started", **ids)
-    record_event(LocalStore(store_root), Layout(EXPERIMENT), "failed", error="RuntimeError: worker lost", **ids)
+    failed = []
+
+    def fail_once(phase, epoch, batch, **_):
+        if (phase, epoch, batch) == ("rollout", *FAILS_ONCE) and not failed:
+            failed.append(True)
+            raise RuntimeError(FAULT)
+
+    ctx = make_context(load_config(config))
+    hooks.register("before_commit", fail_once)
+    try:
+        status = train(ctx, EPOCHS)
+    finally:
+        hooks.unregister("before_commit", fail_once)
+    assert failed, "the fault was never injected"
+    return status
 
 
 @pytest.fixture(scope="module")
-def airflow_ui(tmp_path_factory):
+def trained(tmp_path_factory):
+    """A folder with the experiment's YAML, its DAG file and its trained store; and the run's status."""
+    root = tmp_path_factory.mktemp("dashboard-browser")
+    status = _train(_layout(root))
+    assert [e["epoch"] for e in status["epochs"]] == list(range(EPOCHS))
+    return root, status
+
+
+@pytest.fixture(scope="module")
+def airflow_ui(trained):
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make install` (it installs Debian's chromium)")
-    root = tmp_path_factory.mktemp("dashboard-browser")
-    _layout(root)
+    root, status = trained
     password = write_passwords(root, {"admin": None})["admin"]
     env = airflow_env(root, {"admin": ("admin", None)}, AIRFLOW__CORE__DAGS_FOLDER=str(root / "dags"))
     airflow_cli(env, "db", "migrate")
     airflow_cli(env, "dags", "reserialize")
     with serving(root, env) as base:
-        yield base, password, root
+        yield base, password, status
 
 
 def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    base, password, root = airflow_ui
+    base, password, status = airflow_ui
+    latest, last = status["latest_snapshot"], status["epochs"][-1]["metrics"]
+    epoch, batch = FAILS_ONCE
+    unit = f"{EXPERIMENT}/epochs/{epoch:05d}/rollout/b{batch:04d}"
     shot = tmp_path / "dashboard.png"
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -88,12 +115,22 @@ def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
             training.click()
             frame = page.frame_locator("iframe")
             expect(frame.locator("h2")).to_have_text(EXPERIMENT, timeout=60_000)
+            # The run's own latest snapshot (the hash of the weights it trained) and base accuracy.
+            source = frame.locator("p.src")
+            expect(source).to_contain_text(f"latest snapshot: version {EPOCHS} at")
+            expect(source).to_contain_text(f"sha256 {latest['weights_sha256'][:16]}")
+            expect(source).to_contain_text(f"base accuracy {status['base']['metrics']['eval_accuracy']:.3f}")
             grid = frame.locator("table.grid tr")
             expect(grid).to_have_count(EPOCHS + 1)  # header + one row per epoch
             expect(frame.locator("table.grid td.committed")).not_to_have_count(0)
-            retried = frame.locator(f'a.retried[title^="{EXPERIMENT}/epochs/00001/rollout/b0002: committed"]')
+            expect(frame.locator("table.grid .failed")).to_have_count(0)  # the failed try was retried and committed
+            reward, accuracy = grid.last.locator("td:nth-last-child(2)"), grid.last.locator("td:last-child")
+            expect(reward).to_have_text(f"{last['reward_mean']:.3f}")  # the last epoch's real metrics
+            expect(accuracy).to_have_text(f"{last['eval_accuracy']:.3f}")
+            retried = frame.locator(f'a.retried[title^="{unit}: committed"]')
             expect(retried).to_have_attribute("title", re.compile(r"2 attempt\(s\), 1 failed"))
             expect(retried).to_have_text("2")  # the number of tries, drawn in the cell
+            expect(frame.locator("table.grid a.retried")).to_have_count(1)  # no other unit was tried twice
             chart = frame.locator(".chart svg")
             expect(chart).to_be_visible()
             assert chart.locator("path").count() >= 6, "no curve drawn"  # one line per curve at least
@@ -102,8 +139,8 @@ def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
             expect(frame.locator("table.snapshots tr")).to_have_count(EPOCHS + 1)
             page.screenshot(path=str(shot), full_page=True)
             retried.click()  # each cell links to its unit's page, inside the same frame
-            expect(frame.locator("h1")).to_have_text(f"{EXPERIMENT}/epochs/00001/rollout/b0002", timeout=60_000)
-            expect(frame.locator("table.events td", has_text="RuntimeError: worker lost")).to_have_count(1)
+            expect(frame.locator("h1")).to_have_text(unit, timeout=60_000)
+            expect(frame.locator("table.events td", has_text=f"RuntimeError: {FAULT}")).to_have_count(1)
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
