@@ -102,3 +102,38 @@ def tiny_config(tmp_path):
         return load_config(TINY_YAML, overrides)
 
     return make
+
+
+class FaultHooks:
+    """Hooks at the package's hook points (:mod:`verl_tasks.hooks`) for one test, set like a dict:
+    ``fault_hooks["before_commit"] = fn`` registers ``fn`` (in place of this test's earlier one of that
+    name); ``clear()`` takes them all out. ``fn`` gets the point's keywords and ``experiment``."""
+
+    def __init__(self) -> None:
+        self._set: dict[str, object] = {}
+
+    def __setitem__(self, name: str, fn) -> None:
+        from verl_tasks import hooks
+
+        self.pop(name)
+        hooks.register(name, fn)
+        self._set[name] = fn
+
+    def pop(self, name: str) -> None:
+        from verl_tasks import hooks
+
+        fn = self._set.pop(name, None)
+        if fn is not None:
+            hooks.unregister(name, fn)
+
+    def clear(self) -> None:
+        for name in list(self._set):
+            self.pop(name)
+
+
+@pytest.fixture
+def fault_hooks():
+    """Faults injected into the units this test runs in its own process; all removed when it ends."""
+    installed = FaultHooks()
+    yield installed
+    installed.clear()

@@ -199,7 +199,7 @@ SKIPPABLE = {"epochs": 1, "rollout.batches_per_epoch": 4, "rollout.prompts_per_b
              "fault_tolerance.retries": 1, "fault_tolerance.retry_delay_s": 0}
 
 
-def _faulty(tiny_config, store: str, fraction: float, bad: set[int]):
+def _faulty(tiny_config, fault_hooks, store: str, fraction: float, bad: set[int]):
     ctx = make_context(tiny_config(store, **SKIPPABLE, **{"fault_tolerance.min_committed_batch_fraction": fraction}))
     tries = []
 
@@ -208,12 +208,12 @@ def _faulty(tiny_config, store: str, fraction: float, bad: set[int]):
             tries.append(batch)
             raise BatchFault(f"score of batch {batch} fails for good")
 
-    ctx.hooks["before_commit"] = fail_scores
+    fault_hooks["before_commit"] = fail_scores
     return ctx, tries
 
 
-def test_a_batch_failing_for_good_is_skipped_and_named(tiny_config, tmp_path):
-    ctx, tries = _faulty(tiny_config, f"file://{tmp_path}/skip", 0.75, {2})
+def test_a_batch_failing_for_good_is_skipped_and_named(tiny_config, fault_hooks, tmp_path):
+    ctx, tries = _faulty(tiny_config, fault_hooks, f"file://{tmp_path}/skip", 0.75, {2})
     result = train(ctx, 1)
     assert tries == [2, 2], "1 + fault_tolerance.retries tries, then left out"
     epoch = result["epochs"][0]
@@ -224,7 +224,7 @@ def test_a_batch_failing_for_good_is_skipped_and_named(tiny_config, tmp_path):
                               ctx.config.storage.uri), cwd=ROOT, capture_output=True, text=True, check=True)
     assert "skipped batches [2]" in out.stdout
 
-    ctx.hooks.clear()  # the fault is gone: a rerun computes the batch but the epoch keeps its recorded set
+    fault_hooks.clear()  # the fault is gone: a rerun computes the batch but the epoch keeps its recorded set
     run_phase(ctx, "score", 0, 2)
     ctx.store.delete(f"{ctx.layout.validate(0)}/{MARKER}")
     run_phase(ctx, "validate", 0)
@@ -232,16 +232,16 @@ def test_a_batch_failing_for_good_is_skipped_and_named(tiny_config, tmp_path):
     assert read_json(ctx.store, read_marker(ctx.store, ctx.layout.validate(0)), "report.json")["rows"] == 48
 
 
-def test_with_fraction_one_the_failing_batch_stops_the_run(tiny_config, tmp_path):
-    ctx, tries = _faulty(tiny_config, f"file://{tmp_path}/strict", 1.0, {2})
+def test_with_fraction_one_the_failing_batch_stops_the_run(tiny_config, fault_hooks, tmp_path):
+    ctx, tries = _faulty(tiny_config, fault_hooks, f"file://{tmp_path}/strict", 1.0, {2})
     with pytest.raises(BatchFault):
         train(ctx, 1)
     assert tries == [2, 2], "retried as on the pools, then raised: nothing is left out at fraction 1"
     assert not is_committed(ctx.store, ctx.layout.validate(0))
 
 
-def test_a_deterministic_error_is_not_retried(tiny_config, tmp_path):
-    ctx, _ = _faulty(tiny_config, f"file://{tmp_path}/strict", 0.75, set())
+def test_a_deterministic_error_is_not_retried(tiny_config, fault_hooks, tmp_path):
+    ctx, _ = _faulty(tiny_config, fault_hooks, f"file://{tmp_path}/strict", 0.75, set())
     tries = []
 
     def bad_input(phase, batch, **_):
@@ -249,14 +249,14 @@ def test_a_deterministic_error_is_not_retried(tiny_config, tmp_path):
             tries.append(batch)
             raise DataError("batch 1 holds a malformed row (injected)")
 
-    ctx.hooks["before_commit"] = bad_input
+    fault_hooks["before_commit"] = bad_input
     with pytest.raises(DataError, match="malformed row"):
         train(ctx, 1)
     assert tries == [1], "a person must change something first: neither retried nor left out"
 
 
-def test_too_many_failed_batches_fail_validate_naming_the_setting(tiny_config, tmp_path):
-    ctx, _ = _faulty(tiny_config, f"file://{tmp_path}/many", 0.75, {1, 2})
+def test_too_many_failed_batches_fail_validate_naming_the_setting(tiny_config, fault_hooks, tmp_path):
+    ctx, _ = _faulty(tiny_config, fault_hooks, f"file://{tmp_path}/many", 0.75, {1, 2})
     with pytest.raises(BatchesMissing, match=r"batches \[1, 2\] of epoch 0 are not committed .* lower "
                                              r"fault_tolerance.min_committed_batch_fraction \(0.75\)"):
         train(ctx, 1)
@@ -266,13 +266,13 @@ def test_too_many_failed_batches_fail_validate_naming_the_setting(tiny_config, t
     assert len(tried) == 1, "validate again cannot bring the batches back: not retried"
 
 
-def test_a_cancelled_validate_never_records_which_batches_the_epoch_goes_without(tiny_config, tmp_path):
+def test_a_cancelled_validate_never_records_which_batches_the_epoch_goes_without(tiny_config, fault_hooks, tmp_path):
     """The skipped set is committed once for good: a validate attempt fenced (timed out, or cleared
     while a late batch was still scoring) must not write it, or the batch would stay out after it commits."""
     from verl_tasks.errors import AttemptFenced
     from verl_tasks.store.units import fence_attempt, new_attempt_id
 
-    ctx, _ = _faulty(tiny_config, f"file://{tmp_path}/fenced", 0.75, set())
+    ctx, _ = _faulty(tiny_config, fault_hooks, f"file://{tmp_path}/fenced", 0.75, set())
     run_phase(ctx, "plan", 0)
     for batch in range(4):
         run_phase(ctx, "rollout", 0, batch)

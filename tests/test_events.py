@@ -49,3 +49,44 @@ def test_an_event_that_cannot_be_written_does_not_fail_the_caller(tmp_path, capl
     writer = UnitWriter(store, "exp/epochs/00000/plan")
     writer.write_json("plan.json", {"epoch": 0})
     assert writer.commit({})[1] and read_marker(store, "exp/epochs/00000/plan") is not None
+
+
+def test_an_unreadable_event_is_skipped_with_a_warning_naming_it_and_a_failing_store_raises(tmp_path, caplog):
+    import itertools
+
+    import pytest
+
+    from verl_tasks.errors import StoreError
+    from verl_tasks.events import follow_events
+    from verl_tasks.store import LocalStore
+
+    class Listed(LocalStore):
+        """Lists one event more than it holds (deleted between the listing and the read)."""
+
+        def list(self, prefix: str) -> list[str]:
+            return sorted([*super().list(prefix), f"{layout.events}/20000101T000000.000000-started-gone.json"])
+
+    store, layout = Listed(tmp_path / "store"), Layout("exp")
+    record_event(store, layout, "started", unit="u0")
+    store.put(f"{layout.events}/20000101T000001.000000-started-cut.json", b'{"kind": "sta')  # a power loss
+    store.put(f"{layout.events}/20000101T000002.000000-started-list.json", b"[1, 2]")
+    record_event(store, layout, "committed", unit="u0")
+    with caplog.at_level(logging.WARNING, logger="verl_tasks.events"):
+        assert [e["kind"] for e in read_events(store, layout)] == ["started", "committed"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "verl_tasks.events"]
+    assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "verl_tasks.events")
+    assert len(messages) == 3 and "started-gone.json was deleted after it was listed" in messages[0], messages
+    assert "started-cut.json is not readable JSON" in messages[1], messages
+    assert "started-list.json holds a list, not an event object" in messages[2], messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="verl_tasks.events"):
+        followed = list(itertools.islice(follow_events(store, layout, every=0.01), 2))
+    assert [e["kind"] for e in followed] == ["started", "committed"]
+    assert len([r for r in caplog.records if r.name == "verl_tasks.events"]) == 3
+
+    class Failing(LocalStore):
+        def get(self, key: str) -> bytes:
+            raise StoreError(f"{key}: the store did not answer")
+
+    with pytest.raises(StoreError, match="did not answer"):  # not mistaken for one unreadable event
+        read_events(Failing(tmp_path / "store"), layout)

@@ -221,3 +221,53 @@ def test_backend_ray_refuses_gpus_its_own_head_does_not_offer(two_gpu_machine, t
     assert run.returncode == 2, said[-3000:]
     assert "CPUs and 2 GPUs" in said, said
     assert "resources.rollout.num_gpus: 4, but the local Ray head offers 2 GPUs" in said, said
+
+
+@pytest.fixture
+def dashboard_answering():
+    """A stand-in for a Ray dashboard that answers every request with one HTTP status; yields a setter."""
+    import http.server
+    import threading
+
+    answer = {"status": 401}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(answer["status"])
+            self.end_headers()
+            self.wfile.write(b"refused by the stand-in")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", answer
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_refused_token_is_raised_at_once_and_other_errors_are_said_at_warning(tmp_path, sleeper, monkeypatch,
+                                                                               dashboard_answering, caplog):
+    """Start-up waits out a head that is still starting, not a dashboard that refuses the head's token
+    (another head on the port): that is raised at once, long before the deadline, naming the token file."""
+    import logging
+
+    from verl_tasks.execution.ray_jobs import RayUnavailable
+
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    address, answer = dashboard_answering
+    state = local_head.private_dir(tmp_path / "ray-head")
+    local_head.ensure_token(state / "auth_token")
+    info = local_head.HeadInfo(sleeper.pid, address, "127.0.0.1:9", str(state / "auth_token"), str(state),
+                               str(state / "head.log"), local_head.start_time(sleeper.pid))
+    with pytest.raises(RayUnavailable, match="refused the token in .*auth_token: is another Ray head using"):
+        local_head._ready(info, timeout_s=600)  # a retry would wait all of it and raise TimeoutError
+    answer["status"] = 404  # neither a refused token nor a head still starting: tried again, said at WARNING
+    with caplog.at_level(logging.WARNING, logger="verl_tasks.execution.local_head"), \
+            pytest.raises(TimeoutError, match="not ready after 3s: .*404"):
+        local_head._ready(info, timeout_s=3)
+    warnings = [r for r in caplog.records if r.name == "verl_tasks.execution.local_head"]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, warnings  # once: the error did not change
+    assert "not ready yet" in warnings[0].getMessage() and "404" in warnings[0].getMessage()

@@ -60,7 +60,7 @@ def metrics_of(cfg: ExperimentConfig) -> dict[str, dict[tuple, float]]:
     return parse(render_metrics([(cfg, store_for(cfg))]))
 
 
-def test_metrics_follow_the_store_through_a_failed_batch_and_a_fallback(tiny_config):
+def test_metrics_follow_the_store_through_a_failed_batch_and_a_fallback(tiny_config, fault_hooks):
     from verl_tasks.phases.fallback import check_resume_point
     from verl_tasks.runner import make_context, run_phase, train
     from verl_tasks.store.units import read_marker
@@ -73,7 +73,7 @@ def test_metrics_follow_the_store_through_a_failed_batch_and_a_fallback(tiny_con
     def broken(**info):
         raise OSError("disk full")
 
-    ctx.hooks["before_commit"] = broken
+    fault_hooks["before_commit"] = broken
     with pytest.raises(OSError, match="disk full"):
         run_phase(ctx, "rollout", 0, 1)  # a `failed` event, no marker
     m = metrics_of(cfg)
@@ -91,7 +91,7 @@ def test_metrics_follow_the_store_through_a_failed_batch_and_a_fallback(tiny_con
     assert 0 <= m["verl_tasks_state_log_lag_seconds"][()] < 120
     assert m["verl_tasks_current_epoch"][()] == 0 and m["verl_tasks_safe_mode"][()] == 0
 
-    ctx.hooks.clear()
+    fault_hooks.clear()
     train(ctx, 1)  # the retry commits the batch; the epoch finishes
     m = metrics_of(cfg)
     layout = Layout(cfg.experiment)

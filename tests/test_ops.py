@@ -246,3 +246,30 @@ def test_resume_point_is_verified_and_a_corrupt_snapshot_is_recomputed(copy, tra
     started = util.started_count(ctx.store, ctx.layout)
     assert train(ctx, util.EPOCHS)["latest_snapshot"]["weights_sha256"] == trained["sha"]
     assert util.started_count(ctx.store, ctx.layout) - started == 1  # only the snapshot copy is redone
+
+
+def test_inspect_takes_the_config_hash_from_the_pin_and_reports_a_damaged_pin_at_warning(tmp_path, caplog):
+    import logging
+
+    from verl_tasks.layout import Layout
+    from verl_tasks.ops.checkpoint import SnapshotRef, inspect
+    from verl_tasks.store import LocalStore
+    from verl_tasks.store.units import UnitWriter
+
+    store, layout = LocalStore(tmp_path / "store"), Layout("exp")
+    writer = UnitWriter(store, layout.snapshot(1))  # no trainer_state.json: the hash comes from the pin
+    writer.write_bytes(WEIGHTS, b"weights")
+    writer.commit({"metrics": {"reward_mean": 0.5}})
+    ref = SnapshotRef(store, layout, 1)
+    with caplog.at_level(logging.WARNING, logger="verl_tasks.ops.checkpoint"):
+        assert inspect(ref)["config_hash"] is None  # nothing pinned: nothing to say
+        store.put(layout.experiment_json, json.dumps({"config_hash": "abc123"}).encode())
+        assert inspect(ref)["config_hash"] == "abc123"
+        assert not caplog.records
+        store.put(layout.experiment_json, b'{"config_ha')  # damaged
+        info = inspect(ref)
+    assert info["config_hash"] is None and info["metrics"] == {"reward_mean": 0.5}  # the rest is reported
+    [warning] = [r for r in caplog.records if r.name == "verl_tasks.ops.checkpoint"]
+    assert warning.levelno == logging.WARNING
+    assert f"config hash of {layout.snapshot(1)} not reported" in warning.getMessage()
+    assert "experiment.json is damaged (JSONDecodeError)" in warning.getMessage(), warning.getMessage()

@@ -154,7 +154,7 @@ def test_a_cancelled_unit_stops_and_never_commits(gpu_head, tiny_config, tmp_pat
     release(plan, name, 0, 1)
     unit = Layout(name).rollout(0, 1)
     assert read_marker(ctx.store, unit) is None
-    retried = pools.dispatch(ctx.config, spec, attempt=new_attempt_id(), timeout_s=240)
+    retried = pools.run_unit(ctx.config, spec, new_attempt_id(), timeout_s=240)
     assert retried["ok"], retried
     record = read_marker(ctx.store, unit)
     assert record.attempt != doomed

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from verl_tasks.quality import suites
 from verl_tasks.quality.suites import Limits, summarize, validate_epoch
 
@@ -15,20 +17,38 @@ def _rows(batch: int, scores=(1.0, 0.0, 1.0, 0.0), response="12") -> list[dict]:
              "score": score} for i, score in enumerate(scores)]
 
 
-def test_a_good_epoch_is_one_validation_pass_and_the_context_is_built_once_per_process():
-    passes = suites.COUNTS["passes"]
+@pytest.fixture
+def passes(monkeypatch) -> list[str]:
+    """The result format of each validation pass the test runs (``suites._run``, counted from outside)."""
+    seen: list[str] = []
+    run = suites._run
+
+    def counted(frame, limits, result_format):
+        seen.append(result_format)
+        return run(frame, limits, result_format)
+
+    monkeypatch.setattr(suites, "_run", counted)
+    return seen
+
+
+def test_a_good_epoch_is_one_validation_pass_and_the_context_is_built_once_per_process(passes, monkeypatch):
+    import great_expectations as gx
+
+    suites.warm_up()  # the process's context (built here, or by an earlier test)
+    contexts = []
+    get_context = gx.get_context
+    monkeypatch.setattr(gx, "get_context", lambda *a, **k: (contexts.append(k), get_context(*a, **k))[1])
     for _ in range(3):
         report = validate_epoch({0: _rows(0), 1: _rows(1)}, LIMITS)
         assert report == {"success": True, "batches": {}, "epoch": [], "rows": 8}
     validate_epoch({0: _rows(0, scores=(0.5,) * 4)}, Limits(**{**LIMITS.__dict__, "rows_per_epoch": 4}))
-    assert suites.COUNTS["passes"] - passes == 4, suites.COUNTS
-    assert suites.COUNTS["contexts"] == 1, suites.COUNTS  # other limits: another suite, the same context
+    assert passes == ["BOOLEAN_ONLY"] * 4
+    assert contexts == []  # other limits: another suite, the same context
 
 
-def test_a_failing_epoch_names_its_batch_expectation_and_values():
-    passes = suites.COUNTS["passes"]
+def test_a_failing_epoch_names_its_batch_expectation_and_values(passes):
     report = validate_epoch({0: _rows(0), 1: _rows(1, scores=(1.0, 7.0, 1.0, 9.0))}, LIMITS)
-    assert suites.COUNTS["passes"] - passes == 2  # the cheap pass, then the one that finds where
+    assert passes == ["BOOLEAN_ONLY", "COMPLETE"]  # the cheap pass, then the one that finds where
     assert not report["success"] and list(report["batches"]) == ["1"] and not report["epoch"]
     [failure] = report["batches"]["1"]
     assert failure["expectation"] == "expect_column_values_to_be_between" and failure["column"] == "score"
@@ -55,7 +75,7 @@ def test_memoized_configurations_give_the_same_reports_and_leave_ge_as_it_was(mo
               {0: _rows(0), 1: _rows(1), 2: _rows(2, scores=(0.0, 0.0, -1.0, 0.0))}]
     fast = [validate_epoch(rows, LIMITS) for rows in epochs]
     assert gx.expectations.Expectation.__dict__["configuration"] is plain
-    monkeypatch.setattr(suites, "MEMOIZE_CONFIGURATIONS", False)
+    monkeypatch.setattr(suites, "_memoized_configuration", lambda plain: plain)  # GE's own property throughout
     plain_reports = [validate_epoch(rows, LIMITS) for rows in epochs]
     assert json.dumps(plain_reports, sort_keys=True) == json.dumps(fast, sort_keys=True)  # NaN != NaN in ==
     assert [r["success"] for r in fast] == [True, False, False]
@@ -99,7 +119,7 @@ def test_kept_dependency_graphs_give_the_same_reports_and_are_built_once_per_sui
     kept = {case: validate_epoch(rows, LIMITS) for case, rows in epochs.items()}
     assert Validator.__dict__[name] is counted  # GE's method is back after each pass
     assert len(builds) == 2, builds  # one BOOLEAN_ONLY graph, one COMPLETE graph, for 8 + 7 passes
-    monkeypatch.setattr(suites, "KEEP_DEPENDENCY_GRAPHS", False)
+    monkeypatch.setattr(suites, "_graphs_kept_for", lambda key: lambda build: build)  # GE builds them every pass
     rebuilt = {case: validate_epoch(rows, LIMITS) for case, rows in epochs.items()}
     assert len(builds) == 2 + 15
     assert json.dumps(rebuilt, sort_keys=True) == json.dumps(kept, sort_keys=True)  # NaN != NaN in ==
@@ -114,7 +134,6 @@ def test_kept_dependency_graphs_give_the_same_reports_and_are_built_once_per_sui
 
 def test_ge_is_left_as_it_was_when_a_pass_raises(monkeypatch):
     import great_expectations as gx
-    import pytest
     from great_expectations.validator.validator import Validator
 
     name = "_generate_metric_dependency_subgraphs_for_each_expectation_configuration"
@@ -136,16 +155,32 @@ def test_warm_up_in_a_background_thread_builds_the_one_context_a_validation_then
     import sys
     from pathlib import Path
 
+    # Contexts and passes are counted from outside: GE's get_context (wrapped when either thread
+    # first reaches GE through suites._gx) and suites._run.
     code = (
         "import threading\n"
         "from verl_tasks.quality import suites\n"
+        "contexts, passes, lock, plain_gx, plain_run = [], [], threading.Lock(), suites._gx, suites._run\n"
+        "def counting_gx():\n"
+        "    gx = plain_gx()\n"
+        "    with lock:\n"
+        "        if not hasattr(gx.get_context, 'counting'):\n"
+        "            get_context = gx.get_context\n"
+        "            def counted(*a, **k):\n"
+        "                contexts.append(k)\n"
+        "                return get_context(*a, **k)\n"
+        "            counted.counting = True\n"
+        "            gx.get_context = counted\n"
+        "    return gx\n"
+        "suites._gx = counting_gx\n"
+        "suites._run = lambda *args: (passes.append(args[-1]), plain_run(*args))[1]\n"
         "warm = threading.Thread(target=suites.warm_up)\n"
         "warm.start()\n"
         "rows = {0: [{'sample_id': f's{i}', 'response': 'x', 'prompt_tokens': 3, 'response_tokens': 1,"
         " 'score': 1.0} for i in range(4)]}\n"
         "report = suites.validate_epoch(rows, suites.Limits(4, 4, 8, 8, 0.0, 1.0, 0.5))\n"
         "warm.join()\n"
-        "print(report['success'], suites.COUNTS['contexts'], suites.COUNTS['passes'])\n"
+        "print(report['success'], len(contexts), len(passes))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])

@@ -11,13 +11,11 @@ import pytest
 
 from verl_tasks.errors import IntegrityError, StoreError, UnsafeKey
 from verl_tasks.layout import Layout
-from verl_tasks.ops.gc import collect
+from verl_tasks.ops.gc import IDLE_MARGIN_S, collect, garbage_attempts
 from verl_tasks.store import LocalStore, open_store
 from verl_tasks.store.units import (
-    IDLE_MARGIN_S,
     MARKER,
     UnitWriter,
-    garbage_attempts,
     quarantine,
     read_bytes,
     read_marker,

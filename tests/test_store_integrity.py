@@ -179,13 +179,13 @@ def test_local_put_if_match_loses_no_update_between_threads(tmp_path):
     assert store.get("exp/count") == b"8"
 
 
-def test_a_repin_while_a_rollout_computes_refuses_its_commit(tiny_config):
+def test_a_repin_while_a_rollout_computes_refuses_its_commit(tiny_config, fault_hooks):
     """The issue's case end to end: the experiment is re-pinned (no rollout committed yet) while a rollout
     under the old config computes; that rollout must not commit under the old hash."""
     ctx = make_context(tiny_config(**FAST))
     run_phase(ctx, "plan", 0)
     changed = make_context(tiny_config(**FAST, seed=3))
-    ctx.hooks["before_commit"] = lambda **info: pin_experiment(changed)
+    fault_hooks["before_commit"] = lambda **info: pin_experiment(changed)
     with pytest.raises(ConfigRepinned):
         run_phase(ctx, "rollout", 0, 0)
     unit = ctx.layout.rollout(0, 0)

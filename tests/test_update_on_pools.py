@@ -47,7 +47,8 @@ def test_the_update_pool_actor_runs_two_ray_train_workers_on_a_head_just_big_eno
                 if phase == "update":
                     break
                 run_phase(ctx, phase, 0, batch)
-            result = pools.dispatch(ctx.config, UnitSpec(ctx.config.experiment, "update", 0), timeout_s=600)
+            result = pools.run_unit(ctx.config, UnitSpec(ctx.config.experiment, "update", 0), None,
+                                    timeout_s=600)
         finally:
             ray.shutdown()
             local_head.stop(state)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from verl_tasks.layout import Layout
-from verl_tasks.store.base import ObjectStore
+from verl_tasks.store.base import NotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +35,31 @@ def record_event(store: ObjectStore, layout: Layout, kind: str, **fields: Any) -
         log.warning("could not record %s event: %s", kind, err)
 
 
+def _read_event(store: ObjectStore, key: str) -> dict[str, Any] | None:
+    """The event at ``key``; None, with a warning naming it, when it is gone since it was listed or is
+    not a JSON object (cut short by a power loss: events are written without fsync). A store that
+    fails to answer raises, as for any other read."""
+    try:
+        event = json.loads(store.get(key))
+    except NotFound:
+        log.warning("event %s was deleted after it was listed; skipped", key)
+        return None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        log.warning("event %s is not readable JSON (%s); skipped", key, err)
+        return None
+    if not isinstance(event, dict):
+        log.warning("event %s holds a %s, not an event object; skipped", key, type(event).__name__)
+        return None
+    return event
+
+
 def read_events(store: ObjectStore, layout: Layout, limit: int | None = None) -> list[dict[str, Any]]:
-    """Events in time order (the newest ``limit`` if given)."""
+    """Events in time order (the newest ``limit`` if given); an unreadable one is skipped with a warning
+    (it should not hide the rest)."""
     keys = store.list(layout.events + "/")
     if limit is not None:
         keys = keys[-limit:]
-    out = []
-    for key in keys:
-        try:
-            out.append(json.loads(store.get(key)))
-        except Exception:  # noqa: BLE001 - one unreadable event should not hide the rest
-            continue
-    return out
+    return [event for key in keys if (event := _read_event(store, key)) is not None]
 
 
 def follow_events(store: ObjectStore, layout: Layout, every: float = 1.0) -> Iterator[dict[str, Any]]:
@@ -57,9 +70,8 @@ def follow_events(store: ObjectStore, layout: Layout, every: float = 1.0) -> Ite
             if key in seen:
                 continue
             seen.add(key)
-            try:
-                yield json.loads(store.get(key))
-            except Exception:  # noqa: BLE001 - an unreadable event is skipped, like in read_events
-                continue
+            event = _read_event(store, key)  # an unreadable event is skipped, like in read_events
+            if event is not None:
+                yield event
         time.sleep(every)
 

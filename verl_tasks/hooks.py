@@ -3,8 +3,10 @@
 Units call :func:`fire` at a few points (``unit_start`` before an attempt does any work,
 ``rollout_generate``, ``update_step``, ``before_commit`` through :meth:`PhaseContext.hook`).
 Only Python code running in the same process can :func:`register` a hook: nothing in a run's
-conf, a config or an environment variable does. The chaos and end-to-end tests install theirs
-from a test-only ``sitecustomize`` they put on the PYTHONPATH of the processes they start.
+conf, a config or an environment variable does. Tests that run units in their own process
+register theirs through a fixture (``fault_hooks`` in ``tests/conftest.py``); the chaos and
+end-to-end tests install theirs in the processes they start from a test-only ``sitecustomize``
+they put on those processes' PYTHONPATH.
 Torch-free and import-free, so loading it at interpreter start costs nothing.
 """
 from __future__ import annotations

@@ -78,8 +78,9 @@ GAUGES = {
 
 # Gauges read from the last epoch's update metrics: gauge -> key in its metrics.json.
 UPDATE_GAUGES = {"reward_mean": "reward_mean", "reward_std": "reward_std",
-                 "response_length_mean": "response_length_mean", "policy_loss": "actor/loss", "approx_kl": "actor/ppo_kl", "clip_fraction": "actor/pg_clipfrac",
-                 "entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "learning_rate": "actor/lr"}
+                 "response_length_mean": "response_length_mean", "policy_loss": "actor/loss",
+                 "approx_kl": "actor/ppo_kl", "clip_fraction": "actor/pg_clipfrac", "entropy": "actor/entropy",
+                 "grad_norm": "actor/grad_norm", "learning_rate": "actor/lr"}
 
 
 @dataclass

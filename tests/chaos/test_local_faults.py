@@ -50,6 +50,7 @@ STOPS_AT_ONCE = {"fault_tolerance.retries": 0}
 
 KILL_SCRIPT = """
 import os, sys
+from verl_tasks import hooks
 from verl_tasks.config import load_config
 from verl_tasks.runner import make_context, train
 import json
@@ -62,7 +63,7 @@ def hook(**info):
     if len(seen) == target:
         open(sys.argv[4], "w").write(json.dumps(info))
         os._exit(137)
-ctx.hooks["before_commit"] = hook
+hooks.register("before_commit", hook)
 train(ctx, cfg.epochs)
 """
 
@@ -87,7 +88,7 @@ def test_02_killed_between_files_and_marker(reference, tmp_path):
     assert redone == 1  # only the unit that died
 
 
-def test_03_zombie_and_retry_race(reference, tmp_path):
+def test_03_zombie_and_retry_race(reference, tmp_path, fault_hooks):
     """A zombie attempt reaches its commit after its retry committed: it loses and discards its files."""
     ctx = make_context(util.config(f"file://{tmp_path}/store"))
     phase, epoch, batch = random.Random(util.SEED + 3).choice([u for u in all_units(ctx) if u[0] != "evaluate"])
@@ -102,7 +103,7 @@ def test_03_zombie_and_retry_race(reference, tmp_path):
             retry.start()
             retry.join()
 
-    ctx.hooks["before_commit"] = hook
+    fault_hooks["before_commit"] = hook
     train(ctx, util.EPOCHS)
     races = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "lost_race"]
     assert [e["unit"] for e in races] == [unit]
@@ -114,16 +115,16 @@ def test_03_zombie_and_retry_race(reference, tmp_path):
     assert redone == 1
 
 
-def test_05_snapshot_corrupted_after_commit(reference, tmp_path):
+def test_05_snapshot_corrupted_after_commit(reference, tmp_path, fault_hooks):
     """A committed snapshot is truncated or altered; loading it detects, quarantines and falls back."""
     rng = random.Random(util.SEED + 5)
     mode = rng.choice(["truncate", "alter"])
     ctx = make_context(util.config(f"file://{tmp_path}/store", **STOPS_AT_ONCE))
-    target_version = 1
+    target_version, done = 1, []
 
     def corrupt(**info):
-        if info["phase"] == "plan" and info["epoch"] == target_version and not ctx.hooks.get("done"):
-            ctx.hooks["done"] = lambda **_: None
+        if info["phase"] == "plan" and info["epoch"] == target_version and not done:
+            done.append(info["unit"])
             rec = read_marker(ctx.store, ctx.layout.snapshot(target_version))
             path = ctx.store.root / rec.key(WEIGHTS)
             data = bytearray(path.read_bytes())
@@ -133,7 +134,7 @@ def test_05_snapshot_corrupted_after_commit(reference, tmp_path):
                 data[rng.randrange(len(data) // 2, len(data))] ^= 0xFF
             path.write_bytes(bytes(data))
 
-    ctx.hooks["before_commit"] = corrupt
+    fault_hooks["before_commit"] = corrupt
     with pytest.raises(PhaseFailed, match="failed verification"):
         train(ctx, util.EPOCHS)
     detected = time.monotonic()
@@ -145,7 +146,7 @@ def test_05_snapshot_corrupted_after_commit(reference, tmp_path):
     assert st["warnings"]
     kinds = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "fallback"]
     assert kinds and kinds[0]["fell_back_to"] == 0
-    ctx.hooks.clear()
+    fault_hooks.clear()
     train(ctx, util.EPOCHS)
     st = status(ctx.config, ctx.store)
     assert all(q["recovered"] for q in st["quarantined"]) and "recomputed since" in st["warnings"][0]
@@ -176,7 +177,7 @@ def test_06_reward_function_raises_hangs_and_crashes(reference, tmp_path, monkey
     finish(ctx, reference, "06_reward_raise_hang_crash", time.monotonic() - started, default_scored=len(failed))
 
 
-def test_07_update_oom_once_then_retry(reference, tmp_path):
+def test_07_update_oom_once_then_retry(reference, tmp_path, fault_hooks):
     """The update raises an OOM-like error once; the run's own retry starts from the same committed inputs."""
     rng = random.Random(util.SEED + 7)
     epoch_at, step_at = rng.randrange(util.EPOCHS), 1
@@ -190,7 +191,7 @@ def test_07_update_oom_once_then_retry(reference, tmp_path):
                 inputs[unit] = read_marker(ctx.store, unit).attempt
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
-    ctx.hooks["update_step"] = oom
+    fault_hooks["update_step"] = oom
     train(ctx, util.EPOCHS)  # not raised: the update is tried again in the run, as on the pools
     assert fired and {u: read_marker(ctx.store, u).attempt for u in inputs} == inputs
     failed = [e for e in read_events(ctx.store, ctx.layout) if e["kind"] == "failed"]

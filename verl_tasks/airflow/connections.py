@@ -31,14 +31,12 @@ class S3Access:
 def _get_connection(conn_id: str):
     """The connection, or None when it is not defined anywhere (DB, secrets backend, env)."""
     from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
 
     try:
         return BaseHook.get_connection(conn_id)
-    except Exception as err:  # noqa: BLE001 - AirflowNotFoundException and friends: "not configured"
-        if ("isn't defined" in str(err) or "not found" in str(err).lower()
-                or type(err).__name__.endswith("NotFoundException")):
-            return None
-        raise
+    except AirflowNotFoundException:  # no backend defines it; any other error (a refused backend) is raised
+        return None
 
 
 def s3_access(aws_conn_id: str | None) -> S3Access:

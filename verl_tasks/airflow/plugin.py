@@ -85,6 +85,7 @@ class Source:
 
 def open_source(dag_id: str, path: Path) -> Source:
     """Read the YAML and open its store with the YAML's ``storage.aws_conn_id`` (as the tasks do)."""
+    from verl_tasks.airflow.connections import s3_access
     from verl_tasks.airflow.runconfig import read_yaml
     from verl_tasks.config import parse_config
     from verl_tasks.ownership import DagAccess
@@ -98,24 +99,16 @@ def open_source(dag_id: str, path: Path) -> Source:
         source.experiment = cfg.experiment
         source.access = DagAccess(dag_id, cfg.experiment, str(path), cfg.schedule.parent, cfg.access)
         s = cfg.storage
-        access = _s3_access(s.aws_conn_id) if s.uri.startswith("s3://") else None
+        # A connection that is not defined gives the default credential chain (s3_access logs it); one that
+        # exists but cannot be read is this experiment's error below, never a silent fallback.
+        access = s3_access(s.aws_conn_id) if s.uri.startswith("s3://") else None
         source.store = open_store(
-            s.uri, endpoint_url=s.endpoint_url or (access and access.endpoint_url),
-            region=s.region or (access and access.region), sse=s.sse, sse_kms_key_id=s.sse_kms_key_id,
-            credentials=access and access.credentials, s3_options=PAGE_S3_OPTIONS)
+            s.uri, endpoint_url=s.endpoint_url or (access.endpoint_url if access else None),
+            region=s.region or (access.region if access else None), sse=s.sse, sse_kms_key_id=s.sse_kms_key_id,
+            credentials=access.credentials if access else None, s3_options=PAGE_S3_OPTIONS)
     except Exception as err:  # noqa: BLE001 - one broken YAML must not hide the others
         source.error = f"{path.name}: {type(err).__name__}: {err}"
     return source
-
-
-def _s3_access(conn_id: str | None):
-    from verl_tasks.airflow.connections import S3Access, s3_access
-
-    try:
-        return s3_access(conn_id)
-    except Exception as err:  # noqa: BLE001 - no connection backend here: the default chain
-        log.info("AWS connection %r unavailable to the dashboard (%s); using the default chain", conn_id, err)
-        return S3Access()
 
 
 def unreachable(source: Source, err: Exception) -> str:

@@ -176,8 +176,27 @@ def ensure_token(path: Path) -> Path:
     return path
 
 
+def _caused_by(err: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``err``, or an error it was raised from or while handling, is a ``kind``."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _ready(info: HeadInfo, timeout_s: float) -> None:
-    from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
+    """Wait until the head's Jobs API answers with the head's token.
+
+    A refused connection or an HTTP 5xx is the head still starting: tried again, quietly. A refused
+    token is not (another head answering on the dashboard port, or another token file): waiting
+    cannot change it, so it is raised at once. Any other error is tried again too, and said at
+    WARNING each time it changes.
+    """
+    from ray.exceptions import AuthenticationError
+
+    from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, RayUnavailable, is_transient, read_token
 
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
@@ -187,7 +206,14 @@ def _ready(info: HeadInfo, timeout_s: float) -> None:
         try:
             RayJobBackend(RayTarget(info.address, read_token(info.token_file))).client.list_jobs()
             return
-        except Exception as err:  # noqa: BLE001 - retried until the deadline
+        except Exception as err:  # noqa: BLE001 - sorted below: a refused token, the head starting, anything else
+            if _caused_by(err, AuthenticationError):
+                raise RayUnavailable(
+                    f"the Ray dashboard at {info.address} refused the token in {info.token_file}: is another Ray "
+                    f"head using that port? ({err})") from err
+            if not is_transient(err) and str(err) != str(last):
+                log.warning("ray head at %s not ready yet (trying again until %gs have passed): %s: %s",
+                            info.address, timeout_s, type(err).__name__, err)
             last = err
             time.sleep(0.5)
     raise TimeoutError(f"ray head at {info.address} not ready after {timeout_s}s: {last}")

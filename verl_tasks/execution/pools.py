@@ -288,16 +288,6 @@ def _timed_out(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ac
                              f"attempt was fenced and its worker restarted; a retry starts a new attempt")
 
 
-def dispatch(config: ExperimentConfig, spec: UnitSpec, *, attempt: str | None = None,
-             timeout_s: float | None = None) -> dict[str, Any]:
-    """Run one unit on its pool and return the worker's result dict (``ok``, summary or error, log).
-
-    Past ``timeout_s`` the attempt is fenced (it can never commit) and the actor is killed
-    (Ray restarts it empty), then :class:`verl_tasks.errors.UnitTimeout` is raised.
-    """
-    return run_unit(config, spec, attempt, timeout_s)
-
-
 def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, timeout_s: float | None,
              on_submit: Callable[[Any, Any], None] | None = None,
              cancelled: Callable[[], bool] | None = None, store: Any = None) -> dict[str, Any]:
@@ -311,6 +301,10 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
     start after it, never beside it in the same attempt's folder. Not when ``cancelled()``
     says the caller killed that actor itself. ``on_submit`` hears the actor and the call's ref at
     each send (to cancel it there: :func:`cancel_unit`). ``store`` writes a timeout's fence.
+
+    Returns the worker's result dict (``ok``, summary or error, log). Past ``timeout_s`` the attempt
+    is fenced (it can never commit), its actor killed (Ray restarts it empty) and
+    :class:`verl_tasks.errors.UnitTimeout` raised (:func:`wait`).
     """
     first_refused: float | None = None
     resend = 0
@@ -493,5 +487,5 @@ def _kill_if_running(actor: Any, attempt: str | None) -> bool:
     return True
 
 
-__all__ = ["PoolShape", "PoolWorker", "dispatch", "release_experiment", "submit", "wait", "run_unit", "run_on_pools",
+__all__ = ["PoolShape", "PoolWorker", "release_experiment", "submit", "wait", "run_unit", "run_on_pools",
            "cancel_unit", "pool_kind", "start_cpu_pools", "code_fingerprint", "ensure_connected", "NAMESPACE"]

@@ -122,18 +122,9 @@ class Backoff:
         return delay
 
 
-def submission_prefix(spec: UnitSpec) -> str:
-    return f"vt-{spec.experiment}-{spec.label}-a"
-
-
 def submission_id(spec: UnitSpec, attempt: int) -> str:
     """``vt-tiny-arith-e0-rollout-b1-a1``: deterministic per (unit, attempt number)."""
-    return f"{submission_prefix(spec)}{attempt}"
-
-
-def attempt_number(spec: UnitSpec, job_id: str) -> int | None:
-    match = re.fullmatch(re.escape(submission_prefix(spec)) + r"(\d+)", job_id or "")
-    return int(match.group(1)) if match else None
+    return f"vt-{spec.experiment}-{spec.label}-a{attempt}"
 
 
 def read_token(token_file: str | None = None) -> str | None:

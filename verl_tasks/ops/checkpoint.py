@@ -6,7 +6,6 @@ experiment root (every snapshot of it). Loading uses safetensors and JSON only.
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
@@ -19,7 +18,15 @@ from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import OPTIMIZER_INDEX, check_optimizer_index, load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
 from verl_tasks.store.conventions import TRAINING_ONLY, WEIGHTS, is_optimizer_state, read_best, snapshot_versions
-from verl_tasks.store.units import CommitRecord, download, is_pruned, read_json, read_marker, verify_unit
+from verl_tasks.store.units import (
+    CommitRecord,
+    download,
+    is_pruned,
+    pinned_hash,
+    read_json,
+    read_marker,
+    verify_unit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +160,12 @@ def inspect(ref: SnapshotRef) -> dict[str, Any]:
     if record is None:
         raise StoreError(f"{ref.store.url(ref.unit)} is not committed")
     state = read_json(ref.store, record, "trainer_state.json") if "trainer_state.json" in record.files else {}
-    experiment: dict[str, Any] = {}
-    try:
-        experiment = json.loads(ref.store.get(ref.layout.experiment_json))
-    except Exception:  # noqa: BLE001 - inspect still reports what it can
-        pass
+    config_hash = state.get("config_hash")
+    if not config_hash:  # a snapshot whose trainer state does not name it: the experiment's pin does
+        try:
+            config_hash = pinned_hash(ref.store, ref.layout.experiment_json)  # None: nothing pinned
+        except StoreError as err:  # a damaged pin, or a failed read: inspect still reports the rest
+            log.warning("config hash of %s not reported: %s", ref.unit, err)
     parent = state.get("parent_version")
     return {
         "uri": ref.store.url(ref.unit),
@@ -167,7 +175,7 @@ def inspect(ref: SnapshotRef) -> dict[str, Any]:
         "step": state.get("step"),
         "lr_schedule": state.get("lr_schedule"),
         "best": (read_best(ref.store, ref.layout) or {}).get("version") == ref.version,
-        "config_hash": state.get("config_hash") or experiment.get("config_hash"),
+        "config_hash": config_hash,
         "parent": ref.store.url(ref.layout.snapshot(parent)) if isinstance(parent, int) else None,
         "parent_version": parent,
         "attempt": record.attempt,

@@ -54,8 +54,6 @@ class PhaseContext:
     config: ExperimentConfig
     store: ObjectStore
     layout: Layout = field(init=False)
-    # Set by in-process fault-injection tests; never by users' configs.
-    hooks: dict[str, Callable[..., None]] = field(default_factory=dict)
     # The attempt id a dispatcher chose (so it can fence it on cancel); None: a fresh one per unit.
     attempt: str | None = None
 
@@ -63,9 +61,7 @@ class PhaseContext:
         self.layout = Layout(self.config.experiment)
 
     def hook(self, name: str, **info: Any) -> None:
-        """This context's hook, then the process's (:mod:`verl_tasks.hooks`, empty in production)."""
-        if name in self.hooks:
-            self.hooks[name](**info)
+        """Fire the process's hook point ``name`` (:mod:`verl_tasks.hooks`, empty in production)."""
         process_hooks.fire(name, experiment=self.config.experiment, **info)
 
 

@@ -74,11 +74,6 @@ def fill_frozen_logprobs(
     return inputs
 
 
-# How this process's updates got their optimizer: kept from its last update, read from the store,
-# or new (a base snapshot has no state). Read by the tests.
-OPTIMIZERS = {"warm": 0, "store": 0, "fresh": 0}
-
-
 def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str | None,
                       warm: WarmOptimizer | None) -> torch.optim.Optimizer:
     """AdamW over ``model`` holding the snapshot's optimizer state (``state_id``; None: a fresh one).
@@ -96,12 +91,10 @@ def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str 
         if (len(held) == len(params) and all(a is b for a, b in zip(held, params, strict=True))
                 and all(tuple(g["betas"]) == tuple(algo.betas) and g["weight_decay"] == algo.weight_decay
                         for g in groups)):
-            OPTIMIZERS["warm"] += 1
             return warm.optimizer
     optimizer = torch.optim.AdamW(params, lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
     if state_id is not None:
         load_optimizer(optimizer, model, folder)
-    OPTIMIZERS["store" if state_id is not None else "fresh"] += 1
     return optimizer
 
 

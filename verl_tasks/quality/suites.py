@@ -27,8 +27,6 @@ log = logging.getLogger(__name__)
 COLUMNS = ["batch", "sample_id", "response", "prompt_tokens", "response_tokens", "score"]
 _LOCK = threading.Lock()
 _CACHE: dict[Any, Any] = {}
-# How often this process built a GE context, and ran a validation pass: for tests and benchmarks.
-COUNTS = {"contexts": 0, "passes": 0}
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,6 @@ def _batch_definition():
     if "definition" not in _CACHE:
         gx = _gx()
         context = gx.get_context(mode="ephemeral")
-        COUNTS["contexts"] += 1
         context.variables.progress_bars = {"globally": False, "metric_calculations": False}
         asset = context.data_sources.add_pandas("verl_tasks").add_dataframe_asset("scored_samples")
         _CACHE["definition"] = asset.add_batch_definition_whole_dataframe("epoch")
@@ -158,7 +155,6 @@ def validate_epoch(rows_by_batch: dict[int, list[dict[str, Any]]], limits: Limit
 def _run(frame, limits: Limits, result_format: str):
     """One GE validation pass of the suite over ``frame``."""
     with _LOCK:  # GE's context is not thread-safe; a worker may run units concurrently
-        COUNTS["passes"] += 1
         definition = _batch_definition()  # imports GE whole first: a submodule imported alone
         from great_expectations.validator.v1_validator import Validator  # beside it can deadlock
 
@@ -171,12 +167,11 @@ def _run(frame, limits: Limits, result_format: str):
 
 
 @contextlib.contextmanager
-def _swapped(owner: type, name: str, replacement: Callable[[Any], Any] | None) -> Iterator[None]:
+def _swapped(owner: type, name: str, replacement: Callable[[Any], Any]) -> Iterator[None]:
     """``owner.name`` replaced for one pass (under ``_LOCK``) by ``replacement(original)``; GE's own
-    attribute is back when the pass ends, however it ends. None, or an attribute this GE version
-    lacks: untouched."""
+    attribute is back when the pass ends, however it ends. An attribute this GE version lacks: untouched."""
     original = owner.__dict__.get(name)
-    if replacement is None or original is None:
+    if original is None:
         yield
         return
     setattr(owner, name, replacement(original))
@@ -189,11 +184,7 @@ def _swapped(owner: type, name: str, replacement: Callable[[Any], Any] | None) -
 # GE 1.x rebuilds ``Expectation.configuration`` (a pydantic ``.dict()``, a regex on the class name
 # and a new ExpectationConfiguration) about 20 times per expectation and pass: 40% of the pass.
 # Nothing changes an expectation object while a pass runs (GE builds its own from the suite's
-# configurations), so during one pass each object's is computed once. False: GE's own property
-# throughout (same results, slower).
-MEMOIZE_CONFIGURATIONS = True
-
-
+# configurations), so during one pass each object's is computed once.
 def _memoized_configuration(plain: Any) -> Any:
     if not isinstance(plain, property):
         return plain  # another GE version: its own attribute
@@ -211,8 +202,7 @@ def _memoized_configuration(plain: Any) -> Any:
 # GE builds each expectation's metric dependency graph anew in every pass (about half of a pass).
 # The graph depends on the suite, the batch id (one whole-dataframe asset: always the same) and the
 # result format, never on the rows, so a pass with the same three reuses the first one's graphs and
-# only the metric values are computed again. False: GE builds them every pass (same results, slower).
-KEEP_DEPENDENCY_GRAPHS = True
+# only the metric values are computed again.
 _BUILD_GRAPHS = "_generate_metric_dependency_subgraphs_for_each_expectation_configuration"
 
 
@@ -242,9 +232,8 @@ def _pass_shortcuts(limits: Limits, result_format: str) -> Iterator[None]:
     from great_expectations.validator.validator import Validator as PassValidator
 
     expectation = _gx().expectations.Expectation
-    with _swapped(expectation, "configuration", _memoized_configuration if MEMOIZE_CONFIGURATIONS else None), \
-            _swapped(PassValidator, _BUILD_GRAPHS,
-                     _graphs_kept_for((limits, result_format)) if KEEP_DEPENDENCY_GRAPHS else None):
+    with _swapped(expectation, "configuration", _memoized_configuration), \
+            _swapped(PassValidator, _BUILD_GRAPHS, _graphs_kept_for((limits, result_format))):
         yield
 
 

@@ -58,7 +58,12 @@ class LocalStore(ObjectStore):
 
     def _write_temp(self, target: Path, data: bytes | None = None, source: Path | None = None,
                     sync: bool = True) -> Path:
-        self._makedirs(target.parent)  # an event's folder too: it may be the experiment's first
+        try:
+            self._makedirs(target.parent)  # an event's folder too: it may be the experiment's first
+        except OSError as err:  # the folder's own fsync can be the write the full disk refuses
+            if err.errno == errno.ENOSPC:
+                raise self._no_space(target.name) from err
+            raise
         tmp = _in_flight_name(target.parent)
         # 0o666 under the umask (mkstemp would make it 0600, unreadable to the group).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

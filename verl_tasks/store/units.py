@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -457,51 +457,3 @@ def quarantine(store: ObjectStore, unit: str, reason: str) -> str | None:
     store.delete(f"{unit}/{MARKER}")
     log.warning("quarantined %s: %s", unit, reason)
     return key
-
-
-IDLE_MARGIN_S = 3600.0
-
-
-def attempt_of(key: str) -> tuple[str, str] | None:
-    """(unit, attempt id) of a key inside an attempt folder, staged files included; else None."""
-    at = key.find(f"/{ATTEMPTS}/")
-    if at < 0:
-        return None
-    return key[:at], key[at + len(ATTEMPTS) + 2 :].split("/", 1)[0]
-
-
-def garbage_attempts(store: ObjectStore, prefix: str, *, now: float | None = None,
-                     idle_limit: Callable[[str], float] = lambda unit: IDLE_MARGIN_S) -> list[str]:
-    """Attempt folders under ``prefix`` that can never be committed, or whose writer is surely dead.
-
-    A folder no marker names is garbage when its unit has a marker naming
-    another attempt (a loser), or when no file in it was written for
-    ``idle_limit(unit)`` seconds (a crashed attempt). A young attempt of an
-    uncommitted unit may still be running: it is kept, whatever its age.
-    Files in flight (a local store's ``.tmp-`` files and staging folders) count
-    as the attempt's writes.
-    """
-    now = time.time() if now is None else now
-    # Staged and half-written files are the attempt's writes too: a library filling a staging folder keeps it live.
-    modified = {**store.temp_files(prefix), **store.list_modified(prefix)}
-    markers: dict[str, str | None] = {}
-    newest: dict[tuple[str, str], float] = {}
-    for key, mtime in modified.items():
-        if key.endswith("/" + MARKER):
-            unit = key[: -len(MARKER) - 1]
-            try:
-                rec = read_marker(store, unit)
-                markers[unit] = rec.attempt if rec else None
-            except IntegrityError:
-                markers[unit] = None
-        folder = attempt_of(key)
-        if folder is not None:
-            newest[folder] = max(newest.get(folder, mtime), mtime)
-    garbage = []
-    for (unit, attempt), mtime in newest.items():
-        named = markers.get(unit)
-        if named == attempt:
-            continue
-        if named is not None or now - mtime > idle_limit(unit):
-            garbage.append(f"{unit}/{ATTEMPTS}/{attempt}/")
-    return sorted(garbage)
