@@ -49,13 +49,13 @@ class HandLoop:
         self.epoch = 0
 
     def step(self) -> None:
+        from verl_tasks.data import prompt_text
         from verl_tasks.rewards.builtin import last_integer
 
         torch, tok = self.torch, self.tokenizer
         batch = self.rows[self.epoch * PROMPTS: (self.epoch + 1) * PROMPTS]
         self.epoch += 1
-        prompts = [tok.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True) for r in batch]
-        prompts = [p["input_ids"] if isinstance(p, dict) else list(p) for p in prompts]
+        prompts = [tok(prompt_text(r["prompt"], tok), add_special_tokens=False)["input_ids"] for r in batch]
         width = max(map(len, prompts))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(GROUP, 0)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(GROUP, 0)
