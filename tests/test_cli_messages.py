@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import psutil
 import pytest
 
 from verl_tasks.config import load_config
@@ -101,3 +104,30 @@ def test_a_second_demo_says_already_trained_and_shows_the_curve(tmp_path):
     assert "tiny-arith is already trained (1 epochs committed" in shown.stdout, shown.stdout
     assert "nothing recomputed" in shown.stdout and "Held-out accuracy: 50.0% -> " in shown.stdout, shown.stdout
     assert not (tmp_path / "airflow" / "airflow.db").exists()  # no Airflow run was started
+
+
+def test_the_console_entry_skips_teardown_but_loses_nothing(finished, tmp_path):
+    """`verl-tasks` ends with os._exit after its exit handlers (cli.main): what it wrote is complete, its
+    output is flushed into a pipe, and no child it started (the reward sandbox, its workers) outlives it."""
+    store_root = tmp_path / "copy"
+    shutil.copytree(finished["root"] / "store", store_root)
+    uri, report = f"file://{store_root}", tmp_path / "curve.md"
+    entry = str(Path(sys.executable).parent / "verl-tasks")
+    ran = subprocess.Popen([entry, "run", finished["yaml"], "--store", uri, "--epochs", str(util.EPOCHS + 1),
+                            "--report", str(report)], cwd=util.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    out, err = ran.communicate()
+    assert ran.returncode == 0, err[-3000:]
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if _session(p.pid) == ran.pid]
+    assert not left, f"processes of the CLI's session outlived it: {left}"
+    assert f"after epoch {util.EPOCHS}" in report.read_text(), report.read_text()  # the new epoch's row, whole
+    shown = subprocess.run([entry, "status", finished["yaml"], "--store", uri, "--epochs", str(util.EPOCHS + 1),
+                            "--json"], cwd=util.ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(shown.stdout)["finished"] is True  # the whole JSON object reached the pipe
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
