@@ -2,9 +2,11 @@
 secret, and the local head's token is private from the moment it exists."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,28 @@ def test_compose_ray_head_uses_token_auth_from_a_secret():
             assert env["RAY_AUTH_TOKEN_PATH"] == "/run/secrets/ray_token" and "ray_token" in svc["secrets"]
     assert "disabled" not in COMPOSE.read_text()
     assert not re.search(r"[0-9a-fA-F]{32,}", COMPOSE.read_text()), "a literal token in compose.yaml"
+
+
+def test_compose_holds_no_credential_and_gives_each_service_only_its_own(tmp_path):
+    """Every credential is a secret file made by docker/make-secrets.sh; MinIO's root pair reaches only MinIO
+    and the init job; the image runs as a non-root user."""
+    doc = _compose()
+    for name, svc in doc["services"].items():
+        for key, value in (svc.get("environment") or {}).items():
+            assert not re.search(r"(PASSWORD|SECRET|TOKEN|KEY)$", key) or str(value).startswith("/run/secrets/"), \
+                f"{name}: {key} is a literal credential"
+            assert "airflow:airflow@" not in str(value) and "minio-secret" not in str(value), f"{name}: {key}"
+    holders = {name for name, svc in doc["services"].items() if "minio_root_password" in (svc.get("secrets") or [])}
+    assert holders == {"minio", "minio-init"}, holders
+    assert "AWS_SHARED_CREDENTIALS_FILE" in doc["services"]["ray-head"]["environment"]
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    assert re.search(r"^USER verl$", dockerfile, re.M) and "bubblewrap" in dockerfile
+
+    script = tmp_path / "make-secrets.sh"
+    script.write_text((COMPOSE.parent / "make-secrets.sh").read_text())
+    subprocess.run(["bash", str(script)], check=True, capture_output=True)
+    made = {path.name for path in (tmp_path / "secrets").iterdir()}
+    assert made == set(doc["secrets"]), made ^ set(doc["secrets"])
+    assert all(_mode(path) == 0o600 for path in (tmp_path / "secrets").iterdir())
+    connections = json.loads((tmp_path / "secrets" / "airflow_connections").read_text())
+    assert connections["aws_default"]["password"] == (tmp_path / "secrets" / "minio_password").read_text()
