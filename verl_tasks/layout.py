@@ -19,6 +19,9 @@
     <experiment>/events/                         one JSON object per event
     <experiment>/tombstones/                     markers of rolled-back units
     <experiment>/control/safe_mode.json          present while the experiment is halted
+    <experiment>/control/generation.json         how many times the experiment left safe mode
+    <experiment>/control/failures/00003/g00002/  one durable record per failed try of epoch 3's batches
+                                                 since it last left safe mode (generation 2)
 """
 from __future__ import annotations
 
@@ -115,6 +118,17 @@ class Layout:
     @property
     def safe_mode(self) -> str:
         return f"{self.root}/control/safe_mode.json"
+
+    @property
+    def generation(self) -> str:
+        """How many times the experiment left safe mode: the generation of the failure counts."""
+        return f"{self.root}/control/generation.json"
+
+    def failures(self, epoch: int, generation: int) -> str:
+        """The failed tries of an epoch's batches that count toward safe mode, since the experiment
+        last left it (``generation``)."""
+        return (f"{self.root}/control/failures/{_check_index(epoch, 'epoch', MAX_EPOCH):05d}"
+                f"/g{_check_index(generation, 'generation', 10**9):05d}")
 
     def tracking(self, tracker: str) -> str:
         """Where this experiment records its run in an outside tracker (``verl_tasks.tracking``)."""

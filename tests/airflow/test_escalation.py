@@ -16,7 +16,9 @@ from verl_tasks.errors import SafeMode
 from verl_tasks.events import read_events
 from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import (
+    failed_batches,
     first_try_after_clear,
+    generation,
     leave_safe_mode,
     note_dag_pause,
     read_safe_mode,
@@ -47,8 +49,8 @@ def _config(tmp_path):
 
 
 def _context(tmp_path, phase: str, batch: int | None, error: Exception | None = None, *, try_number: int = 1,
-             max_tries: int = RETRIES) -> dict:
-    task = VerlPhaseOperator(task_id=phase, config_path=str(_config(tmp_path)), phase=phase, epoch=0, batch=batch,
+             max_tries: int = RETRIES, epoch: int = 0) -> dict:
+    task = VerlPhaseOperator(task_id=phase, config_path=str(_config(tmp_path)), phase=phase, epoch=epoch, batch=batch,
                              backend="inline", retries=RETRIES)
     dag_run = type("DagRun", (), {"conf": {}, "run_type": "manual", "run_id": "manual__1"})()
     ti = _TI(phase, -1 if batch is None else batch, try_number, max_tries)
@@ -107,6 +109,70 @@ def test_resume_starts_a_fresh_count_of_failed_batches(tmp_path):
     assert read_safe_mode(store, layout) is None  # 1 of 4 batches since the resume, not 4 of 4
     _failed_batches_halt(tmp_path, (0, 1))
     assert read_safe_mode(store, layout) is not None  # 3 of 4 since the resume: halts again
+
+
+def _events_unwritable(store, layout) -> None:
+    """The event log is lost and no event can be written: a file stands where its folder would be."""
+    store.delete_prefix(layout.events + "/")
+    events = store.root / layout.events
+    if events.is_dir():
+        events.rmdir()
+    events.parent.mkdir(parents=True, exist_ok=True)
+    events.write_text("not a folder")
+
+
+def test_a_lost_event_log_still_escalates_at_the_right_count(tmp_path):
+    cfg, store, layout = _store_layout(_context(tmp_path, "rollout", 0))
+    _failed_batches_halt(tmp_path, (0,))
+    store.delete_prefix(layout.events + "/")  # events deleted after they were written
+    _events_unwritable(store, layout)  # and the next ones never written
+    _failed_batches_halt(tmp_path, (1,))
+    assert not (store.root / layout.events).is_dir()  # no event of any failure is left to read
+    assert read_safe_mode(store, layout) is None  # 2 of 4: at the limit, not above it
+    assert failed_batches(store, layout, 0) == {0, 1}
+    _failed_batches_halt(tmp_path, (2,))
+    halted = read_safe_mode(store, layout)
+    assert halted is not None and "75% of epoch 0's batches failed" in halted["summary"]
+
+
+def test_the_same_try_reported_twice_counts_once(tmp_path):
+    cfg, store, layout = _store_layout(_context(tmp_path, "rollout", 0))
+    for _ in range(2):
+        callbacks.on_retry(_context(tmp_path, "rollout", 0, RuntimeError("node lost"), try_number=1))
+    assert len(store.list(layout.failures(0, 0) + "/")) == 1
+    callbacks.on_retry(_context(tmp_path, "rollout", 0, RuntimeError("node lost"), try_number=2))
+    callbacks.on_retry(_context(tmp_path, "score", 0, RuntimeError("node lost"), try_number=1))
+    assert len(store.list(layout.failures(0, 0) + "/")) == 3  # three tries, one batch
+    callbacks.on_retry(_context(tmp_path, "rollout", 1, RuntimeError("node lost")))
+    callbacks.on_retry(_context(tmp_path, "rollout", 1, RuntimeError("node lost")))
+    assert failed_batches(store, layout, 0) == {0, 1}
+    assert read_safe_mode(store, layout) is None
+
+
+def test_failures_of_another_epoch_do_not_count(tmp_path):
+    cfg, store, layout = _store_layout(_context(tmp_path, "rollout", 0))
+    _failed_batches_halt(tmp_path, (0, 1))
+    callbacks.on_retry(_context(tmp_path, "rollout", 2, RuntimeError("node lost"), epoch=1))
+    callbacks.on_retry(_context(tmp_path, "rollout", 3, RuntimeError("node lost"), epoch=1))
+    assert read_safe_mode(store, layout) is None  # 2 of 4 in each epoch, never 4 of 4
+    assert failed_batches(store, layout, 0) == {0, 1} and failed_batches(store, layout, 1) == {2, 3}
+    callbacks.on_retry(_context(tmp_path, "rollout", 0, RuntimeError("node lost"), epoch=1))
+    halted = read_safe_mode(store, layout)
+    assert halted is not None and "75% of epoch 1's batches failed" in halted["summary"]
+
+
+def test_leaving_safe_mode_starts_a_fresh_count_without_the_event_log(tmp_path):
+    cfg, store, layout = _store_layout(_context(tmp_path, "rollout", 0))
+    _events_unwritable(store, layout)
+    _failed_batches_halt(tmp_path)
+    assert read_safe_mode(store, layout) is not None and generation(store, layout) == 0
+    assert leave_safe_mode(store, layout, by="clear") is not None
+    assert generation(store, layout) == 1 and failed_batches(store, layout, 0) == set()
+    assert leave_safe_mode(store, layout) is None and generation(store, layout) == 1  # not halted: no new count
+    _failed_batches_halt(tmp_path, (0, 1))
+    assert read_safe_mode(store, layout) is None  # 2 of 4 since the clear, not 3 + 2
+    _failed_batches_halt(tmp_path, (3,))
+    assert read_safe_mode(store, layout) is not None
 
 
 @pytest.mark.parametrize("try_number,max_tries,retries,cleared", [

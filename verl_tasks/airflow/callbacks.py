@@ -2,7 +2,9 @@
 
 Tiered response:
 
-1. a failed attempt is retried by Airflow (``on_retry_callback`` records it in the store);
+1. a failed attempt is retried by Airflow (``on_retry_callback`` records it in the store: a
+   ``task_failed`` event for people and, for a batch, a durable record per failed try that the
+   count below reads, :func:`verl_tasks.ops.safe_mode.record_failed_try`; never the event log);
 2. if more than ``fault_tolerance.max_failed_batch_fraction`` of an epoch's batches have
    failed at least once since the experiment last left safe mode, or a unit fails after
    all its retries (``on_failure_callback``), the experiment enters **safe mode**:
@@ -27,14 +29,15 @@ from typing import Any
 
 from verl_tasks.airflow import rest
 from verl_tasks.errors import NotPermitted
-from verl_tasks.events import read_events, record_event
+from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import (
+    failed_batches,
     first_try_after_clear,
     leave_safe_mode,
     note_dag_pause,
     read_safe_mode,
-    since_resume,
+    record_failed_try,
 )
 
 log = logging.getLogger(__name__)
@@ -165,6 +168,24 @@ def refused_by_owner(context: dict[str, Any]) -> bool:
     return False
 
 
+def _count_failed_try(context: dict[str, Any], store: Any, layout: Layout, info: dict[str, Any], *,
+                      final: bool = False) -> set[int]:
+    """Record this batch's failed try durably and return the epoch's failed batches since the last resume
+    (``final``: those failed after all their retries). A record the store refuses is logged, and this
+    batch still counts."""
+    task, ti = context["task"], context.get("ti")
+    instance = None if ti is None else f"{getattr(ti, 'dag_id', '')}|{getattr(ti, 'run_id', '')}|" \
+                                       f"{info['task_id']}|{info['map_index']}"
+    try:
+        record_failed_try(store, layout, epoch=task.epoch, batch=task.batch, phase=task.phase,
+                          try_number=info["try_number"], final=final, instance=instance,
+                          task_id=info["task_id"], map_index=info["map_index"], error=info["error"][:500])
+    except Exception as err:  # noqa: BLE001 - count it anyway: a failure must never go uncounted silently
+        log.error("the failed try of %s was not recorded (%s: %s); it counts only in this callback",
+                  info["unit"], type(err).__name__, err)
+    return failed_batches(store, layout, task.epoch, final_only=final) | {task.batch}
+
+
 def on_retry(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None:
     """Record the failed try; escalate when too many of the epoch's batches have failed since the last resume."""
     if refused_by_owner(context):
@@ -174,12 +195,7 @@ def on_retry(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None:
     record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, **info)
     if task.batch is None:
         return
-    failed_batches = {
-        e.get("batch")
-        for e in since_resume(read_events(store, layout))
-        if e.get("kind") == TASK_FAILED and e.get("epoch") == task.epoch and e.get("batch") is not None
-    }
-    share = len(failed_batches) / cfg.rollout.batches_per_epoch
+    share = len(_count_failed_try(context, store, layout, info)) / cfg.rollout.batches_per_epoch
     if share > cfg.fault_tolerance.max_failed_batch_fraction:
         _halt(context, cfg, store, [info],
               f"{share:.0%} of epoch {task.epoch}'s batches failed (limit "
@@ -200,9 +216,7 @@ def on_failure(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None
     task = context["task"]
     record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True, **info)
     if task.batch is not None:
-        lost = {e.get("batch") for e in since_resume(read_events(store, layout))
-                if e.get("kind") == TASK_FAILED and e.get("final") and e.get("epoch") == task.epoch
-                and e.get("batch") is not None}
+        lost = _count_failed_try(context, store, layout, info, final=True)
         if cfg.fault_tolerance.may_skip(len(lost), cfg.rollout.batches_per_epoch):
             log.warning("%s failed for good; epoch %d goes on without batch %s (%d of %d batches lost, "
                         "min_committed_batch_fraction %s)", unit, task.epoch, task.batch, len(lost),

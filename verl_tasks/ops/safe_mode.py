@@ -11,15 +11,23 @@ A person resumes in one of two ways, both recorded as a ``resumed`` event:
 * a **Clear** of any task of the experiment in Airflow: the first try after a clear
   lifts safe mode (:func:`first_try_after_clear`). Airflow's automatic retries never do.
 
-Events before the newest ``resumed`` no longer count toward
-``fault_tolerance.max_failed_batch_fraction`` (:func:`since_resume`).
+What drives safe mode is not read from the event log (its writes are best-effort and
+unsynced): each failed try of a batch is a durable record of its own
+(:func:`record_failed_try`, ``put_if_absent``, so one try reported twice is one record)
+under ``control/failures/<epoch>/g<generation>/``, and :func:`failed_batches` counts one
+epoch's from one listing. Leaving safe mode moves ``control/generation.json`` on, so the
+failures before it no longer count toward ``fault_tolerance.max_failed_batch_fraction``.
+The ``task_failed`` and ``resumed`` events are still written, for people.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import shlex
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +39,8 @@ from verl_tasks.store.base import NotFound, ObjectStore
 log = logging.getLogger(__name__)
 SAFE_MODE = "safe_mode"
 RESUMED = "resumed"
+# A failure record's name: b<batch>-<phase>-try<n>[-final]-<which task instance>.json
+_FAILURE_NAME = re.compile(r"^b(\d{4})-[^/]+?-try(\d+)(-final)?-[0-9a-f]+\.json$")
 
 
 def read_safe_mode(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:
@@ -135,6 +145,8 @@ def leave_safe_mode(store: ObjectStore, layout: Layout, by: str = "verl-tasks re
     previous = read_safe_mode(store, layout)
     if previous is None:
         return None
+    # Before the file goes: a crash in between leaves it halted with fresh counts, never resumed with stale ones.
+    _next_generation(store, layout)
     store.delete(layout.safe_mode)
     record_event(store, layout, RESUMED, by=by, was=str(previous.get("summary", ""))[:2000], **details)
     log.info("experiment %s left safe mode (%s)", layout.experiment, by)
@@ -154,10 +166,59 @@ def first_try_after_clear(try_number: int, max_tries: int, retries: int) -> bool
     return first > 1 and try_number == first
 
 
-def since_resume(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events after the newest ``resumed`` one: a resume starts a fresh count of failures."""
-    last = max((i for i, e in enumerate(events) if e.get("kind") == RESUMED), default=-1)
-    return events[last + 1:]
+def generation(store: ObjectStore, layout: Layout) -> int:
+    """How many times the experiment left safe mode: the failure records of this generation are the ones that count."""
+    try:
+        value = json.loads(store.get(layout.generation)).get("generation", 0)
+    except NotFound:
+        return 0
+    except (ValueError, AttributeError) as err:  # written durably by put: only a hand edit breaks it
+        raise ValueError(f"{store.url(layout.generation)} is not a generation record: {err}") from err
+    return int(value)
+
+
+def _next_generation(store: ObjectStore, layout: Layout) -> int:
+    """Start a fresh count of failures (two people resuming at once both start one: still fresh)."""
+    value = generation(store, layout) + 1
+    store.put(layout.generation, json.dumps({"generation": value, "time": time.time()}).encode())
+    return value
+
+
+def record_failed_try(store: ObjectStore, layout: Layout, *, epoch: int, batch: int, phase: str,
+                      try_number: int | None, final: bool = False, instance: str | None = None,
+                      **details: Any) -> str:
+    """Record durably (``put_if_absent``: fsynced like a commit marker) that a try of a batch failed.
+
+    Args:
+        instance: what names the task instance (DAG run, task id, map index); with ``try_number``
+            it names the try, so the same try reported twice is one record. Without either, each
+            report is a record of its own.
+        details: small JSON values for a person (error, task id).
+    Returns:
+        The record's key.
+    """
+    if try_number is None or instance is None:
+        tag, tries = uuid.uuid4().hex[:16], 0
+    else:
+        tag, tries = hashlib.sha256(instance.encode()).hexdigest()[:16], int(try_number)
+    name = f"b{batch:04d}-{phase}-try{tries:03d}{'-final' if final else ''}-{tag}.json"
+    key = f"{layout.failures(epoch, generation(store, layout))}/{name}"
+    body = {"epoch": epoch, "batch": batch, "phase": phase, "try_number": try_number, "final": final,
+            "instance": instance, "time": time.time(), **details}
+    store.put_if_absent(key, json.dumps(body, sort_keys=True, default=str).encode())
+    return key
+
+
+def failed_batches(store: ObjectStore, layout: Layout, epoch: int, *, final_only: bool = False) -> set[int]:
+    """The batches of ``epoch`` with a failed try (``final_only``: one that failed after all its retries)
+    since the experiment last left safe mode: one listing of that epoch's records, none read."""
+    prefix = layout.failures(epoch, generation(store, layout)) + "/"
+    batches = set()
+    for key in store.list(prefix):
+        found = _FAILURE_NAME.match(key[len(prefix):])
+        if found and (found.group(3) or not final_only):
+            batches.add(int(found.group(1)))
+    return batches
 
 
 def escalate(config: ExperimentConfig, failed_units: list[dict[str, Any]], reason: str,
