@@ -37,9 +37,9 @@ def _weights(ctx, experiment: str, version: int) -> str:
     return read_marker(ctx.store, Layout(experiment).snapshot(version)).files["model.safetensors"].sha256
 
 
-def test_run_resumed_from_another_experiments_snapshot_starts_from_its_weights(parent):
+def test_run_resumed_from_another_experiments_snapshot_starts_from_its_weights(parent, tmp_path):
     args = ["run", parent["yaml"], "--store", parent["uri"], "--experiment", "child-x", "--resume-from", "parent-x:0"]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, [*args, "--report", str(tmp_path / "curve.md")])
     assert result.exit_code == 0, result.output
     ctx = parent["ctx"]
     assert _weights(ctx, "child-x", 0) == _weights(ctx, "parent-x", 0)
@@ -48,6 +48,10 @@ def test_run_resumed_from_another_experiments_snapshot_starts_from_its_weights(p
     plan = read_marker(ctx.store, Layout("child-x").plan(0))
     assert plan is not None and read_marker(ctx.store, Layout("child-x").snapshot(1)) is not None
     assert "child-x starts from parent-x snapshot 0" in result.output
+    # version 0 is the parent's snapshot, not a warm-started base model: the summary and the curve say so
+    assert "parent: parent-x snapshot 0" in " ".join(result.output.split())
+    curve = (tmp_path / "curve.md").read_text()
+    assert "| parent-x snapshot 0 (parent) | |" in curve and "warm start" not in curve
     # the same command again continues the same fork (latest by default); nothing is redone
     again = CliRunner().invoke(app, args[:-1] + ["parent-x"])
     assert again.exit_code == 0, again.output

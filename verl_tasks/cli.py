@@ -176,11 +176,14 @@ def _start_from(ctx, source: str) -> None:
 
 
 def _print_summary(result: dict) -> None:
-    table = Table(title=f"{result['experiment']}")
+    from verl_tasks.report import parent_name
+
+    forked = parent_name(result)  # version 0 copies a parent's snapshot: name it under the table
+    table = Table(title=f"{result['experiment']}", caption=f"parent: {forked}" if forked else None)
     for col in ("epoch", "reward_mean", "eval_accuracy", "clipfrac", "approx_kl", "grad_norm"):
         table.add_column(col, justify="right")
     base = result["base"]["metrics"].get("eval_accuracy")
-    table.add_row("base", "", f"{base:.3f}" if base is not None else "", "", "", "")
+    table.add_row("parent" if forked else "base", "", f"{base:.3f}" if base is not None else "", "", "", "")
 
     def fmt(metrics: dict, key: str) -> str:
         return f"{metrics[key]:.3f}" if key in metrics else ""

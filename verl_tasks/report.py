@@ -8,6 +8,20 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, (int, float)) else ""
 
 
+def parent_name(result: dict[str, Any]) -> str | None:
+    """``tiny-arith snapshot 8`` when version 0 of a status is a copy of a parent's snapshot (a fork, a
+    scheduled child), else None (it is the configured model)."""
+    parent = (result.get("base") or {}).get("parent")
+    return f"{parent['experiment']} snapshot {parent['version']}" if parent else None
+
+
+def base_label(result: dict[str, Any]) -> str:
+    """The curve's label of version 0: the parent snapshot it copies, else the configured model (the tiny
+    model's supervised warm start)."""
+    parent = parent_name(result)
+    return f"{parent} (parent)" if parent else "base (warm start)"
+
+
 def curve_markdown(result: dict[str, Any]) -> str:
     """A table: one row per epoch with reward, held-out accuracy and update diagnostics."""
     base = result["base"]["metrics"].get("eval_accuracy")
@@ -16,7 +30,7 @@ def curve_markdown(result: dict[str, Any]) -> str:
         "",
         "| policy | train reward mean | held-out accuracy | clip frac | approx KL | grad norm |",
         "|---|---|---|---|---|---|",
-        f"| base (warm start) | | {_fmt(base)} | | | |",
+        f"| {base_label(result)} | | {_fmt(base)} | | | |",
     ]
     for row in result["epochs"]:
         m = row["metrics"]

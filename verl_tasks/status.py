@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from verl_tasks.config import ExperimentConfig
-from verl_tasks.errors import IntegrityError
+from verl_tasks.errors import IntegrityError, StoreError
 from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import read_safe_mode
 from verl_tasks.phase_registry import PHASES
@@ -83,7 +83,9 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
     Returns:
         ``experiment``, ``store`` (URI), ``epochs`` (rows with ``epoch``, ``phases``: phase -> state,
         ``metrics``, ``skipped_batches`` when the epoch went on without some), ``latest_snapshot``,
-        ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``),
+        ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``,
+        and ``parent``: ``{"experiment", "version", ...}`` of the snapshot a fork or a scheduled child
+        started from, else None),
         ``quarantined``, ``warnings``, ``safe_mode`` (the record while the experiment is halted, else None)
         and ``finished`` (every epoch left nothing to do: a run would compute nothing).
     """
@@ -123,10 +125,23 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "epochs": rows,
         "latest_snapshot": latest_snapshot(store, layout),
         "best_snapshot": read_best(store, layout) if config.storage.keep_best_by else None,
-        "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")}},
+        "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")},
+                 "parent": base_origin(store, config.experiment)},
         "safe_mode": read_safe_mode(store, layout),
         "finished": all(epoch_done(config, store, layout, epoch, config.epochs) for epoch in range(config.epochs)),
     }
 
 
-__all__ = ["status", "epoch_units", "phase_state", "marker_metrics", "latest_snapshot"]
+def base_origin(store: ObjectStore, experiment: str) -> dict[str, Any] | None:
+    """The parent snapshot the experiment's version 0 is a copy of (its base marker's record, else its
+    pin's), or None: it starts from its configured model, or the record cannot be read."""
+    from verl_tasks.execution.lineage import recorded_origin
+
+    try:
+        origin = recorded_origin(store, experiment)
+    except StoreError:
+        return None
+    return origin if isinstance(origin, dict) and origin.get("experiment") else None
+
+
+__all__ = ["status", "base_origin", "epoch_units", "phase_state", "marker_metrics", "latest_snapshot"]

@@ -67,22 +67,35 @@ def test_phase_operator_returns_from_marker_without_running(store_root):
     del cfg
 
 
-def test_scheduled_run_starts_new_experiment_from_parent_snapshot(store_root):
+SCHEDULED = str(DAGS / "experiments" / "scheduled_retrain.yaml")
+
+
+def _publish_parent(store, version: int) -> None:
+    """Commit ``tiny-arith`` snapshot ``version`` (with optimizer state) and make it the latest."""
     import json
+
+    from verl_tasks.layout import Layout
+    from verl_tasks.store.units import UnitWriter
+
+    parent = Layout("tiny-arith")
+    writer = UnitWriter(store, parent.snapshot(version))
+    writer.write_bytes("model.safetensors", f"weights-v{version}".encode())
+    writer.write_json("config.json", {"model_type": "tiny"})
+    writer.write_bytes("optimizer.safetensors", b"moments")
+    writer.commit({"version": version})
+    store.put(parent.latest, json.dumps({"version": version}).encode())
+
+
+def test_scheduled_run_starts_new_experiment_from_parent_snapshot(store_root):
     from datetime import datetime
 
     from verl_tasks.layout import Layout
     from verl_tasks.store import open_store
-    from verl_tasks.store.units import UnitWriter, read_marker
+    from verl_tasks.store.units import read_marker
 
     store = open_store(f"file://{store_root}/.store")
     parent = Layout("tiny-arith")
-    writer = UnitWriter(store, parent.snapshot(3))
-    writer.write_bytes("model.safetensors", b"weights-v3")
-    writer.write_json("config.json", {"model_type": "tiny"})
-    writer.write_bytes("optimizer.safetensors", b"moments")
-    writer.commit({"version": 3})
-    store.put(parent.latest, json.dumps({"version": 3}).encode())
+    _publish_parent(store, 3)
     op = ConfigureExperimentOperator(task_id="configure",
                                      config_path=str(DAGS / "experiments" / "scheduled_retrain.yaml"))
     run = SimpleNamespace(run_type="scheduled", conf={}, logical_date=datetime(2026, 5, 1, 3, 0), run_after=None)
@@ -94,3 +107,31 @@ def test_scheduled_run_starts_new_experiment_from_parent_snapshot(store_root):
     parent_weights = read_marker(store, parent.snapshot(3)).files["model.safetensors"]
     assert base.files["model.safetensors"].sha256 == parent_weights.sha256
     assert op.execute({"params": {}, "dag_run": run})["experiment"] == out["experiment"]  # idempotent
+
+
+def test_a_manual_run_of_a_dag_with_schedule_parent_starts_from_the_parent_too(store_root):
+    """A manual trigger of scheduled_retrain forks its experiment from tiny-arith's latest snapshot, not from
+    the configured base model; once started it continues, and one pinned without a parent keeps its base."""
+    from verl_tasks.config import load_config
+    from verl_tasks.execution.lineage import start_experiment
+    from verl_tasks.layout import Layout
+    from verl_tasks.store import open_store
+    from verl_tasks.store.units import read_marker
+
+    store = open_store(f"file://{store_root}/.store")
+    _publish_parent(store, 3)
+    op = ConfigureExperimentOperator(task_id="configure", config_path=SCHEDULED)
+    out = op.execute(_ctx())
+    assert out["experiment"] == "scheduled-retrain" and out["resume"] == "latest"
+    assert (out["parent"]["experiment"], out["parent"]["version"]) == ("tiny-arith", 3)
+    base = read_marker(store, Layout("scheduled-retrain").snapshot(0))
+    assert base.files["model.safetensors"].sha256 == read_marker(
+        store, Layout("tiny-arith").snapshot(3)).files["model.safetensors"].sha256
+
+    _publish_parent(store, 4)  # the parent trained on: the started experiment keeps its base
+    assert op.execute(_ctx())["parent"]["version"] == 3
+    assert op.execute(_ctx(experiment="retrain-later"))["parent"]["version"] == 4  # a new name: the latest
+
+    start_experiment(store, load_config(SCHEDULED, {"experiment": "from-base"}))  # pinned without a parent
+    assert op.execute(_ctx(experiment="from-base"))["parent"] is None
+    assert read_marker(store, Layout("from-base").snapshot(0)) is None  # nothing seeded: its plan builds the base

@@ -132,6 +132,8 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
         + (f"\n\nScheduled runs start a new experiment `{cfg.experiment}-<timestamp>`"
            + (f" from `{cfg.schedule.parent}`'s latest snapshot." if cfg.schedule.parent else ".")
            if (cfg.schedule.cron or cfg.schedule.asset) else "")
+        + (f"\n\nA manual run starts its experiment from `{cfg.schedule.parent}`'s latest snapshot too (the "
+           f"first time; an experiment that already started continues)." if cfg.schedule.parent else "")
         + (f"\n\n**Promotion gate**: `promote` publishes the final snapshot as the asset `{promoted.uri}` only "
            f"when its eval accuracy beats the snapshot the run started from by more than "
            f"{cfg.schedule.promote_margin:g}; otherwise it is skipped with the reason and the snapshot is kept. "

@@ -99,8 +99,10 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
     * ``resume=fresh``: the experiment name must be new.
     * ``resume=snapshot``: a new experiment whose base is snapshot ``from_snapshot`` (default:
       the latest) of ``parent`` (default: the YAML's experiment), in the same store.
-    * scheduled / asset-triggered runs: a new experiment per run; with ``schedule.parent``
-      its base is the parent's latest snapshot (continual training).
+    * scheduled / asset-triggered runs: a new experiment per run (``<experiment>-<timestamp>``).
+    * ``schedule.parent`` (continual training): on any run type, scheduled or manual, an
+      experiment's first run seeds its base from the parent's latest snapshot; an experiment
+      that already started keeps its base (a manual ``resume=snapshot`` names its own parent).
 
     The policy is :func:`verl_tasks.execution.lineage.start_experiment`, which
     ``verl-tasks run --resume-from`` uses too. An experiment in safe mode is refused,
@@ -136,13 +138,12 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
         if halted is not None:
             raise SafeMode(halted_message(cfg.experiment, halted))
         preflight(cfg.rewards)  # the reward function imports in its sandbox here, before any compute
-        scheduled = runconfig.run_type_of(context.get("dag_run")) in runconfig.SCHEDULED_RUN_TYPES
         mode = params.get("resume") or "latest"
         parent = params.get("parent") or runconfig.read_yaml(self.config_path)["experiment"]
         version = params.get("from_snapshot")
         started = start_experiment(store, cfg, resume=mode, parent=parent if mode == "snapshot" else None,
                                    version=None if version is None else int(version),
-                                   scheduled_parent=cfg.schedule.parent if scheduled else None, dag=dag)
+                                   scheduled_parent=cfg.schedule.parent, dag=dag)
         result = {**started, "epochs": cfg.epochs, "store": cfg.storage.uri}
         layout = Layout(cfg.experiment)
         done = [epoch for epoch in range(cfg.epochs) if epoch_done(cfg, store, layout, epoch, cfg.epochs)]

@@ -156,9 +156,11 @@ def start_experiment(store: ObjectStore, config: ExperimentConfig, *, resume: st
             starts a new experiment whose base is snapshot ``version`` of ``parent``.
         parent, version: the fork's source (``version`` None: its latest snapshot, or the
             one the experiment already started from).
-        scheduled_parent: continual training; the base is this experiment's latest snapshot
-            when it has one, else the configured base model. A child that already started
-            keeps its base when the run is cleared or rerun after the parent moved on.
+        scheduled_parent: continual training (``schedule.parent``, on any Airflow run type): a new
+            experiment's base is this parent's latest snapshot when it has one, else the configured
+            base model. An experiment that already started keeps its base (a child when the run is
+            cleared or rerun after the parent moved on; one pinned without a parent, or the parent
+            itself, continues as it is).
         dag: the Airflow DAG of the run (None: the CLI). Before anything is read from a parent or
             written, the run must be allowed to write to the experiment and to fork from the parent
             (:mod:`verl_tasks.ownership`); the pin records the DAG as the owner.
@@ -224,6 +226,8 @@ def _scheduled_source(store: ObjectStore, experiment: str, parent: str,
     """
     if recorded and recorded.get("experiment") == parent:
         return parent, recorded["version"]
+    if parent == experiment:
+        return None  # a manual run of the parent's name under this DAG: it is its own lineage
     if recorded is None and store.exists(Layout(experiment).experiment_json):
         return None  # pinned without a parent: it started from the configured base and keeps it
     newest = latest_version(store, parent)
