@@ -271,3 +271,16 @@ def test_a_refused_token_is_raised_at_once_and_other_errors_are_said_at_warning(
     warnings = [r for r in caplog.records if r.name == "verl_tasks.execution.local_head"]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, warnings  # once: the error did not change
     assert "not ready yet" in warnings[0].getMessage() and "404" in warnings[0].getMessage()
+
+
+def test_env_output_is_shell_quoted_for_eval(tmp_path, sleeper, capsys):
+    """``local_head env`` lines are ``eval``-ed by scripts: a path with spaces, quotes or ``$(...)`` stays one
+    literal value and runs nothing."""
+    state = local_head.private_dir(tmp_path / "ray head's $(touch pwned) `state`")
+    _write_head_json(state, sleeper.pid, local_head.start_time(sleeper.pid))
+    assert local_head.main(["env", "--state-dir", str(state)]) == 0
+    out = capsys.readouterr().out
+    script = out + 'printf "%s\\n" "$RAY_AUTH_TOKEN_PATH" "$RAY_TMPDIR"\n'
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == [str(state / "auth_token"), str(state)]
+    assert not (tmp_path / "pwned").exists()

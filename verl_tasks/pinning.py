@@ -124,12 +124,17 @@ def _pin_once(config: ExperimentConfig, store: ObjectStore, layout: Layout, pare
     claimant = dag if check_write(existing, config.experiment, dag) else None
     _keep_owner(body, existing, claimant)
     if existing["config_hash"] == body["config_hash"]:
+        # The settings outside the hash (resources, timeouts, trackers, ...) are the newest run's: a Ray job
+        # reads its config from this pin (by reference, verl_tasks.execution.entry), so it must see them.
+        updated = {**existing, "config": body["config"]}
         if claimant is not None:
-            existing = {**existing, **claim_fields(existing, claimant, time.time())}
-            if not store.put_if_match(layout.experiment_json, _encoded(existing), version):
+            updated.update(claim_fields(existing, claimant, time.time()))
+        if updated != existing:
+            if not store.put_if_match(layout.experiment_json, _encoded(updated), version):
                 return None
-            record_event(store, layout, "claimed", dag_id=claimant.dag_id)
-        return existing
+            if claimant is not None:
+                record_event(store, layout, "claimed", dag_id=claimant.dag_id)
+        return updated
     keys = differing_keys(existing["hashed_config"], body["hashed_config"])
     if not _only_prelude_committed(store, layout):
         raise ConfigMismatch(config.experiment, keys, store.url(layout.root))

@@ -30,6 +30,17 @@ def _backend(ray_head, **kwargs) -> RayJobBackend:
     return RayJobBackend(RayTarget(ray_head.address, read_token(ray_head.token_file)), **kwargs)
 
 
+def _pinned(cfg):
+    """Pin ``cfg`` in its store, as the configure task does before any unit is submitted: a job reads its
+    config from the pin (``entry.pinned_config``)."""
+    from verl_tasks.layout import Layout
+    from verl_tasks.pinning import pin_experiment
+    from verl_tasks.store import store_for
+
+    pin_experiment(SimpleNamespace(config=cfg, store=store_for(cfg), layout=Layout(cfg.experiment)))
+    return cfg
+
+
 def _ctx(**params):
     return {"params": params, "dag_run": SimpleNamespace(run_type="manual", conf={}, logical_date=None, run_after=None)}
 
@@ -67,6 +78,7 @@ def test_retry_attaches_then_next_attempt(ray_head, tmp_path):
     blocker = tmp_path / "store" / "rb-1" / "data"  # a file where the prompts' folder must go: a real failure
     blocker.parent.mkdir(parents=True)
     blocker.write_text("not a folder")
+    _pinned(cfg)
     first = backend.submit(cfg, spec)
     again = backend.submit(cfg, spec)  # an Airflow retry while the first job is still live
     assert first.submitted and not again.submitted
@@ -90,11 +102,31 @@ def test_a_job_that_reserved_no_gpu_sees_none(ray_head, tmp_path):
     """Without pools the unit runs in the job's own process, which Ray leaves every GPU of its node
     unless it reserved some: one that reserved none is given ``CUDA_VISIBLE_DEVICES=""``."""
     backend = _backend(ray_head, pool=False)
-    cfg = load_config(TINY, {"experiment": "rb-gpu", "storage.uri": f"file://{tmp_path}/store"})
+    cfg = _pinned(load_config(TINY, {"experiment": "rb-gpu", "storage.uri": f"file://{tmp_path}/store"}))
     job = backend.submit(cfg, UnitSpec("rb-gpu", "plan", 0))
     assert backend.wait(job.submission_id, timeout_s=300) == "SUCCEEDED", backend.logs(job.submission_id)[-3000:]
     info = backend.client.get_job_info(job.submission_id)
     assert info.runtime_env["env_vars"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_job_gets_its_config_by_reference(ray_head, tmp_path):
+    """The Jobs API shows a job's entrypoint, runtime_env and metadata to every token holder: they name the
+    store, the experiment and the config hash, never the tracking URI, the KMS key id or the config itself;
+    the job reads the pinned experiment.json and still runs its unit."""
+    tracking, kms = "http://mlflow.vt-internal.example:5000", "arn:aws:kms:eu-west-1:1:key/vt-kms-never-on-ray"
+    backend = _backend(ray_head, pool=False)
+    cfg = _pinned(load_config(TINY, {"experiment": "rb-ref", "storage.uri": f"file://{tmp_path}/store",
+                                     "storage.sse_kms_key_id": kms, "tracking.mlflow": tracking}))
+    job = backend.submit(cfg, UnitSpec("rb-ref", "plan", 0))
+    assert backend.wait(job.submission_id, timeout_s=300) == "SUCCEEDED", backend.logs(job.submission_id)[-3000:]
+    assert parse_result(backend.logs(job.submission_id))["ok"] is True
+    assert (tmp_path / "store/rb-ref/epochs/00000/plan/_SUCCESS").is_file()
+    info = backend.client.get_job_info(job.submission_id)
+    shown = json.dumps([info.entrypoint, info.runtime_env, info.metadata], default=str)
+    for text in (tracking, "mlflow.vt-internal", kms, "vt-kms", "--config-b64"):
+        assert text not in shown, text
+    assert cfg.config_hash() in info.entrypoint and "--experiment rb-ref" in info.entrypoint
+    assert len(info.entrypoint) < 600  # no encoded config
 
 
 def test_deterministic_job_error_fails_the_task_without_retries(client_env):
@@ -141,11 +173,12 @@ def test_operator_defers_and_completes_without_sending_credentials(client_env, r
     """An AWS connection with keys exists on the Airflow side only; nothing on the Ray side may show them."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from verl_tasks.airflow.operators import VerlPhaseOperator
+    from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseOperator
 
     monkeypatch.setenv("AIRFLOW_CONN_VT_SECRET_S3", json.dumps({"conn_type": "aws", "login": SECRET_ID,
                                                                 "password": SECRET}))
     ctx = _ctx(experiment="rb-2")
+    ConfigureExperimentOperator(task_id="configure", config_path=TINY).execute(ctx)  # pins: jobs read the pin
     op = VerlPhaseOperator(task_id="plan", config_path=TINY, phase="plan", epoch=0, backend="ray", ray_conn_id=None,
                            aws_conn_id="vt_secret_s3", poll_interval=0.5)
     assert op.resolve(ctx)[1].credentials["aws_secret_access_key"] == SECRET  # the Airflow side has the keys

@@ -1,6 +1,12 @@
 """The Ray job entrypoint: run one phase unit and print one JSON line.
 
-    python -m verl_tasks.execution.entry --config-b64 B64 --phase rollout --epoch 3 --batch 7
+    python -m verl_tasks.execution.entry --store s3://bucket/prefix --experiment NAME --config-hash SHA256 \
+        --phase rollout --epoch 3 --batch 7
+
+The config travels by reference: the job reads the experiment's pinned ``experiment.json`` from the
+store and runs only when the pin's config hash is the one the submitter ran under. The entrypoint
+(shown by the Jobs API to every Ray token holder) carries the store's location (no credentials,
+no encryption key id), the experiment name and the hash; nothing else of the config.
 
 Exit 0 after the unit is committed (or was already); exit 1 otherwise, the last
 line then naming the unit and the error's class, module and message (see
@@ -11,15 +17,17 @@ sends keys to a job.
 from __future__ import annotations
 
 import argparse
-import base64
+import hashlib
 import json
 import logging
 import signal
 import sys
 import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-from verl_tasks.config import parse_config
+from verl_tasks.config import ExperimentConfig, check_name, flatten, parse_config
+from verl_tasks.errors import ConfigError, ConfigMismatch
 from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.outcome import failure_result
 from verl_tasks.layout import Layout
@@ -28,17 +36,98 @@ from verl_tasks.phase_registry import PHASE_NAMES
 log = logging.getLogger("verl_tasks.execution.entry")
 
 
-def encode_config(config_json: dict) -> str:
-    return base64.urlsafe_b64encode(json.dumps(config_json, sort_keys=True, separators=(",", ":")).encode()).decode()
+def public_location(url: str | None) -> str | None:
+    """``url`` without any ``user:password@`` part: what may be shown to every Ray token holder."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=host))
 
 
-def decode_config(blob: str) -> dict:
-    return json.loads(base64.urlsafe_b64decode(blob.encode()))
+KEY_DIGEST_CHARS = 4
+
+
+def _key_digest(key: str, value: Any) -> str:
+    blob = json.dumps([key, value], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:KEY_DIGEST_CHARS]
+
+
+def key_digests(hashed_view: dict[str, Any]) -> str:
+    """A short one-way digest of each training-relevant setting (16 bits each, concatenated): lets a job
+    name the keys in which its submitter's config differs from the pin without carrying the config."""
+    return "".join(_key_digest(key, value) for key, value in sorted(flatten(hashed_view).items()))
+
+
+def _differing(pinned_view: dict[str, Any], digests: str | None) -> list[str]:
+    """The pin's keys whose (key, value) is not among the submitter's ``digests``; ``config_hash`` when
+    none can be named (a key only the submitter has, or no digests sent)."""
+    text = digests or ""
+    sent = {text[i:i + KEY_DIGEST_CHARS] for i in range(0, len(text), KEY_DIGEST_CHARS)}
+    keys = sorted(key for key, value in flatten(pinned_view).items() if _key_digest(key, value) not in sent)
+    return keys if digests and keys else ["config_hash"]
+
+
+def pinned_config(store_uri: str, experiment: str, config_hash: str, *, endpoint_url: str | None = None,
+                  region: str | None = None, digests: str | None = None) -> ExperimentConfig:
+    """The experiment's pinned config, read from its store, if its hash is ``config_hash``.
+
+    The store is opened for reading only with its location (reading an SSE-S3 or SSE-KMS object needs no
+    key id; credentials come from the node's own chain). The returned config keeps the pin's encryption
+    settings and names the store it was read from, so the unit commits where the submitter expects it.
+
+    Raises:
+        ConfigMismatch: the pin's hash is not ``config_hash`` (the YAML changed after the experiment was
+            pinned, or it was re-pinned since the job was submitted); names the differing keys
+            (from ``digests``, see :func:`key_digests`).
+        ConfigError: there is no pin, or its recorded hash does not match its own config (a class of
+            ``verl_tasks.errors``: the Airflow side rebuilds it and does not retry).
+        StoreError: the pin is damaged.
+    """
+    from verl_tasks.layout import Layout
+    from verl_tasks.pinning import read_pin
+    from verl_tasks.store import open_store
+
+    check_name(experiment)
+    store = open_store(store_uri, endpoint_url=endpoint_url, region=region)
+    layout = Layout(experiment)
+    where = store.url(layout.experiment_json)
+    pin = read_pin(store, layout)
+    if pin is None:
+        raise ConfigError(f"{where} does not exist: experiment {experiment!r} is not pinned in this store, so this "
+                         f"job has no config to run (the configure task, or the first plan, pins it before any "
+                         f"unit is submitted); run configure again")
+    if pin["config_hash"] != config_hash:
+        log.error("%s has config %s, the job was submitted under %s (the YAML changed after the experiment was "
+                  "pinned, or it was re-pinned since): nothing is computed", where, pin["config_hash"][:12],
+                  config_hash[:12])
+        raise ConfigMismatch(experiment, _differing(pin.get("hashed_config") or {}, digests),
+                             store.url(layout.root))
+    if not isinstance(pin.get("config"), dict):
+        raise ConfigError(f"{where} records no config; pin the experiment again (run configure)")
+    dumped = dict(pin["config"])
+    dumped["storage"] = {**dumped.get("storage", {}), "uri": store_uri, "endpoint_url": endpoint_url,
+                         "region": region}
+    config = parse_config(dumped)
+    if config.experiment != experiment or config.config_hash() != config_hash:
+        raise ConfigError(f"{where} records config hash {config_hash[:12]} but its config is experiment "
+                         f"{config.experiment!r} with hash {config.config_hash()[:12]}: the pin was altered; "
+                         f"nothing was computed")
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl_tasks.execution.entry")
-    parser.add_argument("--config-b64", required=True)
+    parser.add_argument("--store", required=True, help="the store's URI (no credentials)")
+    parser.add_argument("--endpoint-url", default=None, help="the S3 endpoint, when the store needs one")
+    parser.add_argument("--region", default=None)
+    parser.add_argument("--experiment", required=True)
+    parser.add_argument("--config-hash", required=True, help="the pinned config's hash the job must run under")
+    parser.add_argument("--key-digests", default=None, help="key_digests() of the submitter's config")
     parser.add_argument("--phase", required=True, choices=PHASE_NAMES)
     parser.add_argument("--epoch", required=True, type=int)
     parser.add_argument("--batch", type=int, default=None)
@@ -52,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("botocore", "urllib3", "s3transfer", "great_expectations", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     started = time.monotonic()
-    unit = UnitSpec("?", args.phase, args.epoch, args.batch).label
+    unit = UnitSpec(args.experiment, args.phase, args.epoch, args.batch).label
     try:
-        config_json = decode_config(args.config_b64)
-        config = parse_config(config_json)
+        unit = Layout(check_name(args.experiment)).unit(args.phase, args.epoch, args.batch)
+        config = pinned_config(args.store, args.experiment, args.config_hash, endpoint_url=args.endpoint_url,
+                               region=args.region, digests=args.key_digests)
         spec = UnitSpec(config.experiment, args.phase, args.epoch, args.batch)
         unit = Layout(config.experiment).unit(args.phase, args.epoch, args.batch)
         if args.pool:

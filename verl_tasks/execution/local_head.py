@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import stat
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("no ray head running under %s", state)
             return 1
         for key, value in {**running.client_env(), **running.driver_env()}.items():
-            sys.stdout.write(f"export {key}={value}\n")
+            sys.stdout.write(f"export {key}={shlex.quote(value)}\n")  # scripts eval these lines
     return 0
 
 

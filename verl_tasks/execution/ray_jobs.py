@@ -20,7 +20,9 @@ A transient error of the dashboard (connection refused or reset, timeout, HTTP
 
 No secret goes into a job: its ``runtime_env``, entrypoint and metadata are shown
 by the Jobs API and the dashboard to anyone holding the Ray token. Jobs reach
-storage through the Ray nodes' own credential chain.
+storage through the Ray nodes' own credential chain, and the config by reference:
+the entrypoint names the store, the experiment and the config hash, and the job
+reads the pinned ``experiment.json`` (no tracking URI, key id or config on the Ray side).
 """
 from __future__ import annotations
 
@@ -279,11 +281,24 @@ class RayJobBackend:
 
     # -- submitting --------------------------------------------------------------
     def entrypoint(self, config: ExperimentConfig, spec: UnitSpec) -> str:
-        from verl_tasks.execution.entry import encode_config
+        """The job's command: where the pinned config is and which hash it must have, never the config.
 
+        The Jobs API shows the entrypoint to every Ray token holder, so it names the store (without any
+        ``user:password@``), the experiment and the config hash; the tracking URI, the encryption key id
+        and every other setting are read by the job from the pinned ``experiment.json`` (``entry.pinned_config``).
+        """
+        from verl_tasks.execution.entry import key_digests, public_location
+
+        storage = config.storage
         parts = [self.python, "-m", "verl_tasks.execution.entry",
-                 "--config-b64", encode_config(config.model_dump(mode="json")),
+                 "--store", public_location(storage.uri) or storage.uri,
+                 "--experiment", config.experiment, "--config-hash", config.config_hash(),
+                 "--key-digests", key_digests(config.hashed_view()),
                  "--phase", spec.phase, "--epoch", str(spec.epoch)]
+        if storage.endpoint_url:
+            parts += ["--endpoint-url", public_location(storage.endpoint_url) or storage.endpoint_url]
+        if storage.region:
+            parts += ["--region", storage.region]
         if spec.batch is not None:
             parts += ["--batch", str(spec.batch)]
         if self.pool:
@@ -301,7 +316,8 @@ class RayJobBackend:
         """Attach to the unit's live job, return its succeeded job, or submit the next attempt.
 
         Args:
-            config: the resolved experiment config (sent to the job, base64 JSON).
+            config: the resolved experiment config; the job reads it from the experiment's pin in the
+                store (the entrypoint names only the store, the experiment and the config hash).
             spec: the unit.
             env: extra plain settings for the job's environment (never credentials)
             resubmit_succeeded: submit a new attempt even when the newest job succeeded
@@ -442,7 +458,8 @@ _CONFIG_ARG = re.compile(r"(--config-b64\s+)(\S+)")
 
 
 def redact_config(line: str) -> str:
-    """A job log line with the entrypoint's base64 config replaced by its length (it is in the YAML)."""
+    """A job log line with an entrypoint's base64 config replaced by its length (jobs submitted before the
+    config went by reference carried it)."""
     return _CONFIG_ARG.sub(lambda m: f"{m.group(1)}<config, {len(m.group(2))} chars>", line)
 
 
