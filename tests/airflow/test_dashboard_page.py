@@ -481,3 +481,36 @@ def test_a_safe_mode_without_a_dag_says_resume_then_run(tmp_path):
     assert first.startswith(f"SAFE MODE: {unit} failed after all its retries.\nTo continue: fix the cause, then "
                             "<code>verl-tasks resume "), first
     assert "<strong class=\"error-class\">MemoryError</strong>: CUDA out of memory" in page and "<details" not in page
+
+
+def test_the_curves_per_optimizer_step_come_from_each_update_s_steps(tiny_config, tmp_path):
+    """A real 2-epoch run: the page's curves per optimizer step have one point per committed step (each
+    update's steps.jsonl) for every step curve; the default stays per epoch, and each links to the other."""
+    from verl_tasks.airflow.dashboard import STEP_CURVES, experiment_view, step_chart_rows
+    from verl_tasks.airflow.plugin import open_source, render_page
+    from verl_tasks.runner import make_context, train
+    from verl_tasks.store.conventions import TRAINER_STATE
+    from verl_tasks.store.units import read_json, read_marker
+
+    ctx = make_context(tiny_config(f"file://{tmp_path}/store", epochs=2))
+    st = train(ctx, 2)
+    steps = read_json(ctx.store, read_marker(ctx.store, ctx.layout.update(1)), TRAINER_STATE)["step"]
+    rows = step_chart_rows(ctx.store, ctx.layout, st["epochs"])
+    for _, title in STEP_CURVES:
+        assert sorted(r["x"] for r in rows if r["metric"] == title) == list(range(1, steps + 1)), title
+    view = experiment_view(ctx.config, ctx.store, per_step=True)
+    assert view["per_step"] and "optimizer step" in view["chart"] and "learning rate" in view["chart"]
+    assert "optimizer step" not in experiment_view(ctx.config, ctx.store)["chart"]
+
+    path = tmp_path / "dags" / "experiments" / "steps_dag.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(TINY.read_text()), **_raw(ctx.config)}))
+    source = open_source("steps_dag", path)
+    page = render_page([source], [source], experiment=ctx.config.experiment, per_step=True)
+    assert "<strong>per optimizer step</strong>" in page and "curves=epoch" in page
+    assert "curves=step" in render_page([source], [source], experiment=ctx.config.experiment)
+
+
+def _raw(cfg) -> dict:
+    """The parts of a config a YAML needs to name the same experiment in the same store."""
+    return {"experiment": cfg.experiment, "epochs": cfg.epochs, "storage": {"uri": cfg.storage.uri}}

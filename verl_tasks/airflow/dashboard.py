@@ -26,6 +26,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -36,7 +37,7 @@ from verl_tasks.layout import Layout
 from verl_tasks.ownership import read_record
 from verl_tasks.phase_registry import BATCHED, PHASE_NAMES, PHASES
 from verl_tasks.store.base import NotFound, ObjectStore
-from verl_tasks.store.units import MARKER
+from verl_tasks.store.units import MARKER, read_marker
 
 EVENTS_SHOWN = 50
 MAX_EVENTS_READ = 20_000
@@ -49,6 +50,15 @@ CURVES = (
     ("actor/pg_clipfrac", "clip fraction"),
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad norm"),
+)
+# Per optimizer step (the update's steps.jsonl): what people read an RL run from.
+STEP_CURVES = (
+    ("actor/loss", "loss"),
+    ("actor/ppo_kl", "KL"),
+    ("actor/pg_clipfrac", "clip fraction"),
+    ("actor/entropy", "entropy"),
+    ("actor/grad_norm", "grad norm"),
+    ("actor/lr", "learning rate"),
 )
 TASK_FAILED = "task_failed"  # verl_tasks.airflow.callbacks.TASK_FAILED: a failed try, as Airflow's callback saw it
 UNIT_EVENTS = ("started", "failed", "committed", "lost_race", "skipped", TASK_FAILED)
@@ -351,46 +361,65 @@ def _snapshots(layout: Layout, rows: list[dict[str, Any]], events: list[dict[str
 
 
 def chart_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Long-form (epoch, metric, value) rows of the curves, for the chart."""
+    """Long-form (x, metric, value) rows of the per-epoch curves, for the chart."""
     titles = dict(CURVES)
-    return [{"epoch": row["epoch"], "metric": titles[key], "value": float(row["metrics"][key])}
+    return [{"x": row["epoch"], "metric": titles[key], "value": float(row["metrics"][key])}
             for row in rows for key, _ in CURVES if isinstance(row["metrics"].get(key), (int, float))]
 
 
-def curves_svg(rows: list[dict[str, Any]]) -> str:
+def step_chart_rows(store: ObjectStore, layout: Layout, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Long-form (x, metric, value) rows per optimizer step, from each committed update's ``steps.jsonl``
+    (one read per epoch shown, in a few threads)."""
+    from verl_tasks.store.conventions import STEPS_FILE
+    from verl_tasks.store.units import read_jsonl
+
+    def steps_of(epoch: int) -> list[dict[str, Any]]:
+        record = read_marker(store, layout.update(epoch))
+        return read_jsonl(store, record, STEPS_FILE) if record and STEPS_FILE in record.files else []
+
+    epochs = [row["epoch"] for row in rows if row["phases"].get("update") == "committed"]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        per_epoch = list(pool.map(steps_of, epochs))
+    titles = dict(STEP_CURVES)
+    return [{"x": step["step"], "metric": titles[key], "value": float(step[key])}
+            for steps in per_epoch for step in steps for key, _ in STEP_CURVES
+            if isinstance(step.get(key), (int, float))]
+
+
+def curves_svg(data: list[dict[str, Any]], x_title: str = "epoch") -> str:
     """The curves as one SVG (Vega-Lite through altair, rendered here by vl-convert: no JS, no CDN).
 
     The same data gives the same picture, so the newest few are kept (a page reloaded between two
     commits does not draw again)."""
-    data = chart_rows(rows)
     if not data:
         return ""
-    body = json.dumps(data, sort_keys=True)
+    body = json.dumps([x_title, data], sort_keys=True)
     key = hashlib.sha256(body.encode()).hexdigest()
     if key not in _SVG_CACHE:
         import vl_convert
 
-        spec = dict(_curves_spec(points=len(rows) <= 40), datasets={"curves": data})
+        points = len({row["x"] for row in data}) <= 40
+        titles = [title for _, title in (STEP_CURVES if x_title == "optimizer step" else CURVES)]
+        spec = dict(_curves_spec(points, x_title, tuple(titles)), datasets={"curves": data})
         _SVG_CACHE[key] = vl_convert.vegalite_to_svg(spec)
         while len(_SVG_CACHE) > SVGS_KEPT:
             _SVG_CACHE.popitem(last=False)
     return _SVG_CACHE[key]
 
 
-@functools.lru_cache(maxsize=2)
-def _curves_spec(points: bool) -> dict[str, Any]:
+@functools.lru_cache(maxsize=4)
+def _curves_spec(points: bool, x_title: str, titles: tuple[str, ...]) -> dict[str, Any]:
     """The chart without its data (a named dataset): one small panel per curve, each with its own scale."""
     import altair as alt
 
-    titles = [title for _, title in CURVES]
     chart = (
         alt.Chart(alt.NamedData(name="curves"))
         .mark_line(point=points)
-        .encode(x=alt.X("epoch:Q", title="epoch", axis=alt.Axis(tickMinStep=1, format="d")),
+        .encode(x=alt.X("x:Q", title=x_title, axis=alt.Axis(tickMinStep=1, format="d")),
                 y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
-                tooltip=["metric:N", "epoch:Q", alt.Tooltip("value:Q", format=".4f")])
+                tooltip=["metric:N", alt.Tooltip("x:Q", title=x_title), alt.Tooltip("value:Q", format=".4f")])
         .properties(width=230, height=130)
-        .facet(facet=alt.Facet("metric:N", sort=titles, title=None), columns=3)
+        .facet(facet=alt.Facet("metric:N", sort=list(titles), title=None), columns=3)
         .resolve_scale(y="independent")
     )
     return chart.to_dict()
@@ -405,9 +434,10 @@ def filter_events(events: list[dict[str, Any]], epoch: int | None, phase: str | 
 
 
 def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | None = None,
-                    phase: str | None = None, unit_href: str = "") -> dict[str, Any]:
+                    phase: str | None = None, unit_href: str = "", per_step: bool = False) -> dict[str, Any]:
     """Everything one experiment's section shows (see the module docstring); each grid cell links to
-    ``unit_href`` followed by its unit's URL-quoted key (the unit's page)."""
+    ``unit_href`` followed by its unit's URL-quoted key (the unit's page). ``per_step``: the curves per
+    optimizer step (each update's ``steps.jsonl``) instead of per epoch."""
     from verl_tasks.status import status
 
     if phase is not None and phase not in PHASES:
@@ -423,7 +453,9 @@ def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | N
         "phases": PHASE_NAMES,
         "batched": BATCHED,
         "snapshots": _snapshots(layout, st["epochs"], events, st["quarantined"]),
-        "chart": curves_svg(st["epochs"]),
+        "chart": (curves_svg(step_chart_rows(store, layout, st["epochs"]), "optimizer step") if per_step
+                  else curves_svg(chart_rows(st["epochs"]))),
+        "per_step": per_step,
         "events": filter_events(events, epoch, phase),
         "events_total": len(events),
         "filter": {"epoch": epoch, "phase": phase},

@@ -180,8 +180,8 @@ def _templates():
     return Environment(loader=PackageLoader("verl_tasks.airflow", "templates"), autoescape=select_autoescape())
 
 
-def render_section(source: Source, experiment: str, epoch: int | None = None, phase: str | None = None
-                   ) -> dict[str, Any] | str:
+def render_section(source: Source, experiment: str, epoch: int | None = None, phase: str | None = None,
+                   per_step: bool = False) -> dict[str, Any] | str:
     """One experiment's view for the template, or a one-line notice when its store cannot be read.
 
     Each unit cell links to the unit's page; the safe-mode notice links each failed unit's page and its
@@ -191,7 +191,7 @@ def render_section(source: Source, experiment: str, epoch: int | None = None, ph
 
     try:
         view = experiment_view(source.config(experiment), source.store, epoch=epoch, phase=phase,
-                               unit_href=unit_page(source.dag_id))
+                               unit_href=unit_page(source.dag_id), per_step=per_step)
     except Exception as err:  # noqa: BLE001 - one broken experiment must not hide the others
         if _is_access_error(err):
             return unreachable(source, err)
@@ -213,8 +213,8 @@ def _is_access_error(err: Exception) -> bool:
 
 def render_page(readable: list[Source], everyone: list[Source], *,
                 experiment: str | None = None, dag: str | None = None, epoch: int | None = None,
-                phase: str | None = None) -> str:
-    """The whole page for the DAGs a user may read."""
+                phase: str | None = None, per_step: bool = False) -> str:
+    """The whole page for the DAGs a user may read (``per_step``: the curves per optimizer step)."""
     found, notices = find_experiments(readable, everyone)
     listed = [{"name": name, "dag": source.dag_id} for source, name in found]
     if experiment:
@@ -227,14 +227,14 @@ def render_page(readable: list[Source], everyone: list[Source], *,
             "No experiment DAG you may read."
     sections: list[dict[str, Any]] = []
     for source, name in chosen:
-        section = render_section(source, name, epoch, phase)
+        section = render_section(source, name, epoch, phase, per_step)
         if isinstance(section, dict):
             sections.append(section)
         else:
             notices.append(section)
     return _templates().get_template("dashboard.html").render(
         listed=listed, sections=sections, notices=notices, empty=empty,
-        query={"experiment": experiment, "dag": dag})
+        query={"experiment": experiment, "dag": dag, "curves": "step" if per_step else "epoch"})
 
 
 def render_unit(source: Source, experiment: str, key: str) -> str:
@@ -326,10 +326,13 @@ def create_app():
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard(user=Depends(airflow_user), experiment: str | None = Query(None), dag: str | None = Query(None),
-                  epoch: str | None = Query(None), phase: str | None = Query(None)) -> str:
+                  epoch: str | None = Query(None), phase: str | None = Query(None),
+                  curves: str = Query("epoch")) -> str:
+        if curves not in ("epoch", "step"):
+            raise HTTPException(400, f"curves={curves!r}: use epoch or step")
         readable, everyone = _readable_sources(user, dag or None)
         return render_page(readable, everyone, experiment=experiment or None, dag=dag,
-                           epoch=_epoch(epoch), phase=phase or None)
+                           epoch=_epoch(epoch), phase=phase or None, per_step=curves == "step")
 
     @app.get("/unit", response_class=HTMLResponse)
     def unit(user=Depends(airflow_user), dag: str = Query(...), experiment: str | None = Query(None),
