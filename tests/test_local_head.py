@@ -101,24 +101,47 @@ def test_what_a_dead_leader_left_of_its_head_is_killed_only_within_its_boot(tmp_
     """The head's leader was OOM-killed; gcs_server and raylet (here: a ``sleep`` in its group) live on
     and hold the ports. Within the boot the group id can only be theirs; after a reboot it may not be."""
     state = local_head.private_dir(tmp_path / "ray-head")
-    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    tmpdir = tmp_path / "vt-ray-test"
+    # The head's processes inherit its RAY_TMPDIR; an unrelated orphan in the same group does not use it.
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; env -u RAY_TMPDIR sleep 61 & echo $!"],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, "RAY_TMPDIR": str(tmpdir)})
     started = local_head.start_time(leader.pid)
-    member = int(leader.stdout.readline())
+    member, stranger = int(leader.stdout.readline()), int(leader.stdout.readline())
     leader.wait()
+    for pid, command in ((member, "sleep 60"), (stranger, "sleep 61")):  # both exec'd: their final environment
+        while " ".join(psutil.Process(pid).cmdline()) != command:
+            time.sleep(0.01)
     try:
         info = local_head.HeadInfo(leader.pid, "http://127.0.0.1:9", "127.0.0.1:9", str(state / "auth_token"),
-                                   str(state), str(state / "head.log"), started,
+                                   str(tmpdir), str(state / "head.log"), started,
                                    local_head.boot_id() if same_boot else "another-boot")
         (state / "head.json").write_text(json.dumps(asdict(info), indent=1))
         assert local_head.stop(state, timeout_s=1) is False  # the head itself was not running
         assert _running(member) != same_boot, "leftovers killed only within the head's boot"
+        assert _running(stranger), "a process of the group that does not use the head's temp folder was killed"
         assert not (state / "head.json").exists()
     finally:
-        try:
-            os.kill(member, 9)
-        except ProcessLookupError:
-            pass
+        for pid in (member, stranger):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_planted_or_open_head_json_is_not_trusted_by_stop_or_env(tmp_path, sleeper):
+    """stop and env check owner and mode as launch does: a head.json anyone may write names no group to kill."""
+    state = local_head.private_dir(tmp_path / "ray-head")
+    _write_head_json(state, sleeper.pid, local_head.start_time(sleeper.pid))
+    os.chmod(state / "head.json", 0o666)
+    with pytest.raises(local_head.UnsafeStateDir, match="not this user's own private file"):
+        local_head.stop(state, timeout_s=1)
+    assert _still_running(sleeper)
+    assert local_head.main(["env", "--state-dir", str(state)]) == 2
+    os.chmod(state / "head.json", 0o600)
+    os.chmod(state, 0o755)
+    assert local_head.main(["stop", "--state-dir", str(state)]) == 2
+    assert _still_running(sleeper)
 
 
 # What a machine with $STAND_IN_GPUS NVIDIA GPUs answers to the NVML calls Ray's GPU count makes;
@@ -174,10 +197,17 @@ def test_the_head_offers_the_machines_gpus(machine, env, offered, tmp_path, requ
             join_loopback_head(mp, info)
             with caplog.at_level("INFO", logger=local_head.__name__):
                 resources = local_head.wait_for_node(info)
+            # Its Ray temp folder is a fresh one of ours under an unpredictable name (nobody can make it first;
+            # Ray itself opens its mode once it runs there), and its processes are recognised by it.
+            tmp = os.lstat(info.tmpdir)
+            assert tmp.st_uid == os.getuid() and Path(info.tmpdir).name != f"vt-ray-{port}", info.tmpdir
+            members = local_head.head_members(info)
+            assert len(members) >= 2 and info.pid in members, members  # the leader, gcs_server, raylet, ...
         finally:
             local_head.stop(state, timeout_s=0)
     assert resources.get("GPU", 0) == offered, resources
     assert f"offers 1 CPUs and {offered} GPUs" in caplog.text
+    assert not local_head.head_members(info) and not Path(info.tmpdir).exists()
 
 
 def test_an_explicit_gpu_count_is_offered_as_given(two_gpu_machine, tmp_path):

@@ -27,11 +27,13 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -84,17 +86,67 @@ def boot_id() -> str | None:
         return None
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3 first), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def _uses_tmpdir(pid: int, tmpdir: str) -> bool:
+    """Whether process ``pid`` is one of a head's: its environment's RAY_TMPDIR, or its command line, names
+    the head's own Ray temp folder (every Ray process of the head inherits the one, or is given the other)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    return f"RAY_TMPDIR={tmpdir}".encode() in environ or tmpdir.encode() in cmdline
+
+
+def head_members(info: HeadInfo) -> list[int]:
+    """The live processes of the head's process group that are the head's: in the group, started no
+    earlier than the head's leader, and using its Ray temp folder. A process group id alone proves
+    nothing (an unrelated daemon's orphan may carry it); these three together do."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        # pgid is field 5 ([2] here), the start time field 22 ([19]); a zombie (state Z) holds nothing.
+        if fields is None or fields[0] == "Z" or int(fields[2]) != info.pid:
+            continue
+        if info.started is not None and int(fields[19]) < info.started:
+            continue
+        if _uses_tmpdir(int(entry.name), info.tmpdir):
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_members(info: HeadInfo, settle_s: float = 5.0) -> None:
+    """SIGKILL the head's members until none is left (a raylet may still spawn a worker meanwhile) or
+    ``settle_s`` has passed: the ports are free once this returns."""
+    deadline = time.monotonic() + settle_s
+    while members := head_members(info):
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if time.monotonic() > deadline:
+            log.warning("processes %s of the Ray head %d outlived SIGKILL for %gs", members, info.pid, settle_s)
+            return
+        time.sleep(0.05)
+
+
 def _kill_leftovers(info: HeadInfo) -> None:
     """SIGKILL what is left of a head whose leader died (gcs_server, raylet, dashboard still holding its
-    ports): its process group, when that can only be the head's. In the same boot, with no process
-    holding the leader's pid, a group of that id is the head's: Linux gives no new process a pid that
-    is still a live group's id. After a reboot, or with the pid taken, nothing is signalled."""
+    ports): the members of its process group that :func:`head_members` recognises, within the head's
+    boot and only while no process holds the leader's pid. After a reboot nothing is signalled."""
     if info.boot_id is None or info.boot_id != boot_id() or start_time(info.pid) is not None:
         return
-    try:
-        os.killpg(info.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    _kill_members(info)
 
 
 def _alive(info: HeadInfo) -> bool:
@@ -133,10 +185,15 @@ def _read(path: Path) -> HeadInfo:
 
 def read_info(state_dir: Path) -> HeadInfo | None:
     """The running head recorded in ``state_dir``, or None; a ``head.json`` of a head that no longer
-    runs (its pid gone or now another process's) is deleted."""
+    runs (its pid gone or now another process's) is deleted.
+
+    Raises:
+        UnsafeStateDir: the folder or its ``head.json`` is not this user's own, private one.
+    """
     path = Path(state_dir) / "head.json"
     if not path.is_file():
         return None
+    check_private(Path(state_dir), path)
     info = _read(path)
     if _alive(info):
         return info
@@ -159,6 +216,20 @@ def private_dir(path: Path) -> Path:
             raise UnsafeStateDir(f"ray head state folder {path} is not a private directory (mode {oct(mode & 0o777)}); "
                                  f"run `chmod 700 {path}` or pass another --state-dir") from None
     return path
+
+
+def check_private(state_dir: Path, head_json: Path) -> None:
+    """What ``launch`` makes sure of, checked wherever a ``head.json`` is trusted (start, stop, env): the
+    state folder and the file are this user's, and nobody else may write them (a planted ``head.json``
+    would name a process group to signal)."""
+    uid = os.getuid()
+    for path, kind in ((state_dir, stat.S_ISDIR), (head_json, stat.S_ISREG)):
+        info = os.lstat(path)
+        if not kind(info.st_mode) or info.st_uid != uid or info.st_mode & 0o022 or (
+                path == state_dir and info.st_mode & 0o077):
+            raise UnsafeStateDir(f"{path} is not this user's own private {'folder' if path == state_dir else 'file'} "
+                                 f"(owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)}): not trusted to name a "
+                                 f"Ray head; check who wrote it, or pass another --state-dir")
 
 
 def ensure_token(path: Path) -> Path:
@@ -266,9 +337,9 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
     if running:
         return running
     token_file = ensure_token(state_dir / "auth_token")
-    # Unix socket paths must stay short: RAY_TMPDIR goes under /tmp, named by the port.
-    tmpdir = Path(f"/tmp/vt-ray-{port}")
-    tmpdir.mkdir(parents=True, exist_ok=True)
+    # Unix socket paths must stay short: RAY_TMPDIR goes under /tmp. A fresh folder of ours (0700) per head,
+    # never one another user could have made first; stop removes it.
+    tmpdir = Path(tempfile.mkdtemp(prefix=f"vt-ray-{port}-", dir="/tmp"))
     bin_dir = str(Path(sys.executable).parent)
     env = {
         **os.environ,
@@ -340,36 +411,53 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
 
 
 def stop(state_dir: Path, timeout_s: float = 30) -> bool:
-    """SIGTERM the recorded head (its whole session), wait up to ``timeout_s``, then SIGKILL what is left.
-    True if it ran.
+    """SIGTERM the recorded head, wait up to ``timeout_s``, then SIGKILL what is left of it
+    (:func:`head_members`: its group's processes that use its Ray temp folder). True if it ran.
 
     Only a head that :func:`_alive` recognises (pid and start time) is signalled: a recorded pid
     that is now another process's is left alone, and so is its process group (after a reboot that
     group id may be a daemon's session). A leader that died leaves its group to
-    :func:`_kill_leftovers`. The stale ``head.json`` is deleted either way.
+    :func:`_kill_leftovers`. The stale ``head.json`` is deleted either way, and the head's Ray temp
+    folder with it.
+
+    Raises:
+        UnsafeStateDir: the state folder or ``head.json`` is not this user's own, private one.
     """
     path = Path(state_dir) / "head.json"
     if not path.is_file():
         return False
+    check_private(Path(state_dir), path)
     info = _read(path)
     if not _alive(info):
         _kill_leftovers(info)
         _forget(path, info)
+        _remove_tmpdir(info)
         return False
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while _alive(info) and time.monotonic() < deadline:  # _alive reaps our own child
         time.sleep(0.05)
-    try:  # whatever of the head's own session is left (workers, dashboard): only that group
-        os.killpg(info.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    if _alive(info):
+        os.kill(info.pid, signal.SIGKILL)
+    _kill_members(info)  # whatever of the head is left (workers, dashboard): only processes that are its own
     try:  # a head this process started is reaped, not left a zombie
         os.waitpid(info.pid, 0)
     except ChildProcessError:
         pass
     path.unlink(missing_ok=True)
+    _remove_tmpdir(info)
     return True
+
+
+def _remove_tmpdir(info: HeadInfo) -> None:
+    """The head's Ray temp folder (sockets, session logs) once it is gone: only a ``vt-ray-`` folder of ours."""
+    folder = Path(info.tmpdir)
+    try:
+        owned = folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid()
+    except OSError:
+        return
+    if owned and folder.name.startswith("vt-ray-"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,9 +485,17 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_node(info)
         log.info("ray head pid %d at %s (ready in %.1fs)", info.pid, info.address, time.monotonic() - started)
     elif args.action == "stop":
-        log.info("ray head stopped" if stop(state) else "no ray head was running")
+        try:
+            log.info("ray head stopped" if stop(state) else "no ray head was running")
+        except UnsafeStateDir as err:
+            log.error("%s", err)
+            return 2
     else:
-        running = read_info(state)
+        try:
+            running = read_info(state)
+        except UnsafeStateDir as err:
+            log.error("%s", err)
+            return 2
         if running is None:
             log.error("no ray head running under %s", state)
             return 1
