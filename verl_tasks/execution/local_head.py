@@ -27,7 +27,6 @@ import logging
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import socket
 import stat
@@ -106,22 +105,31 @@ def _uses_tmpdir(pid: int, tmpdir: str) -> bool:
 
 
 def head_members(info: HeadInfo) -> list[int]:
-    """The live processes of the head's process group that are the head's: in the group, started no
-    earlier than the head's leader, and using its Ray temp folder. A process group id alone proves
-    nothing (an unrelated daemon's orphan may carry it); these three together do."""
-    found = []
+    """The live processes of the head's process group, when that group is the head's; else none.
+
+    A group id alone proves nothing: once every process of the head is gone, the kernel may give its
+    id to an unrelated process, whose orphans then carry it. While any process of the head lives, it
+    cannot. So the group's members (this user's, started no earlier than the head's leader) count as
+    the head's only when one of them visibly uses the head's Ray temp folder (gcs_server and raylet
+    name it on their command lines; workers rename themselves, ``ray::...``, and show nothing)."""
+    group = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        fields = _stat_fields(int(entry.name))
+        pid = int(entry.name)
+        fields = _stat_fields(pid)
         # pgid is field 5 ([2] here), the start time field 22 ([19]); a zombie (state Z) holds nothing.
         if fields is None or fields[0] == "Z" or int(fields[2]) != info.pid:
             continue
         if info.started is not None and int(fields[19]) < info.started:
             continue
-        if _uses_tmpdir(int(entry.name), info.tmpdir):
-            found.append(int(entry.name))
-    return found
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        group.append(pid)
+    return group if any(_uses_tmpdir(pid, info.tmpdir) for pid in group) else []
 
 
 def _kill_members(info: HeadInfo, settle_s: float = 5.0) -> None:
@@ -337,9 +345,7 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
     if running:
         return running
     token_file = ensure_token(state_dir / "auth_token")
-    # Unix socket paths must stay short: RAY_TMPDIR goes under /tmp. A fresh folder of ours (0700) per head,
-    # never one another user could have made first; stop removes it.
-    tmpdir = Path(tempfile.mkdtemp(prefix=f"vt-ray-{port}-", dir="/tmp"))
+    tmpdir = _ray_tmpdir(state_dir, port)
     bin_dir = str(Path(sys.executable).parent)
     env = {
         **os.environ,
@@ -380,6 +386,24 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
     return info
 
 
+def _ray_tmpdir(state_dir: Path, port: int) -> Path:
+    """The head's Ray temp folder: under /tmp (Unix socket paths must stay short), made by ``mkdtemp`` under
+    an unpredictable name, so never one another user made first. Recorded in the (private) state folder
+    and kept: a restarted head, and drivers that joined the old one, find the same folder."""
+    pointer = state_dir / "ray_tmpdir"
+    if pointer.is_file():
+        folder = Path(pointer.read_text().strip())
+        try:
+            ours = folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid()
+        except OSError:
+            ours = False
+        if ours and folder.name.startswith("vt-ray-"):
+            return folder
+    folder = Path(tempfile.mkdtemp(prefix=f"vt-ray-{port}-", dir="/tmp"))
+    pointer.write_text(str(folder))
+    return folder
+
+
 def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
     """Until the head's node is alive in its GCS, checked every 0.1 s: ``ray.init`` on a head still
     starting finds no node and sleeps a whole second per try. Needs the head's token in this process's
@@ -417,8 +441,7 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     Only a head that :func:`_alive` recognises (pid and start time) is signalled: a recorded pid
     that is now another process's is left alone, and so is its process group (after a reboot that
     group id may be a daemon's session). A leader that died leaves its group to
-    :func:`_kill_leftovers`. The stale ``head.json`` is deleted either way, and the head's Ray temp
-    folder with it.
+    :func:`_kill_leftovers`. The stale ``head.json`` is deleted either way.
 
     Raises:
         UnsafeStateDir: the state folder or ``head.json`` is not this user's own, private one.
@@ -431,7 +454,6 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     if not _alive(info):
         _kill_leftovers(info)
         _forget(path, info)
-        _remove_tmpdir(info)
         return False
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
@@ -445,19 +467,7 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     except ChildProcessError:
         pass
     path.unlink(missing_ok=True)
-    _remove_tmpdir(info)
     return True
-
-
-def _remove_tmpdir(info: HeadInfo) -> None:
-    """The head's Ray temp folder (sockets, session logs) once it is gone: only a ``vt-ray-`` folder of ours."""
-    folder = Path(info.tmpdir)
-    try:
-        owned = folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid()
-    except OSError:
-        return
-    if owned and folder.name.startswith("vt-ray-"):
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
