@@ -343,3 +343,20 @@ def test_a_package_is_located_without_running_its_init(tmp_path, monkeypatch):
     assert not (tmp_path / "ran").exists() and package.name not in sys.modules
     box = RewardSandbox(f"{package.name}.sub.scores:fn", 5.0, 1024)
     assert box.code_paths()[0][-1] == str(package) and str(tmp_path) in box.code_paths()[1]
+
+
+def test_a_reward_module_that_lives_under_tmp_is_seen_in_the_sandbox(tmp_path, monkeypatch):
+    """The sandbox's own /tmp is a fresh tmpfs; code under the machine's /tmp (a checkout cloned there, a
+    module written there) is bound over it, not hidden by it."""
+    assert str(tmp_path).startswith("/tmp/")
+    name = f"vt_tmp_reward_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return 1.0 if solution_str.strip() == ground_truth else 0.25\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with RewardSandbox(f"{name}:score", 10.0, 1024) as box:
+        box.start()
+        result = box.score([{"id": "a", "data_source": "t", "solution_str": "4", "ground_truth": "4", "extra_info": {}},
+                            {"id": "b", "data_source": "t", "solution_str": "5", "ground_truth": "4",
+                             "extra_info": {}}], 0.0)
+    assert result.scores == [1.0, 0.25] and not result.failures, result

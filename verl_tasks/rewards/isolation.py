@@ -90,12 +90,14 @@ def bwrap_command(bwrap: str, read_only: list[str], tmp_bytes: int, info_fd: int
         info_fd: bubblewrap writes ``{"child-pid": N, ...}`` there: N, the sandbox's PID 1 as seen
             from here, is what :meth:`RewardSandbox.close` kills to end everything inside.
     """
-    args = [bwrap, *ISOLATING_FLAGS, *_system_binds()]
+    args = [bwrap, *ISOLATING_FLAGS, *_system_binds(), "--proc", "/proc", "--dev", "/dev",
+            "--size", str(tmp_bytes), "--tmpfs", "/tmp", "--size", str(tmp_bytes), "--tmpfs", "/dev/shm"]
+    # After the tmpfs mounts: code that lives under /tmp (a checkout there, its venv) is bound over them,
+    # not hidden by them.
     for path in outermost(read_only):
         args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
-             "--size", str(tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--remount-ro", "/",
-             "--chdir", "/tmp", "--info-fd", str(info_fd), "--", *command]
+    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd),
+             "--", *command]
     return args
 
 
