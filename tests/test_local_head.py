@@ -196,8 +196,14 @@ def test_the_head_offers_the_machines_gpus(machine, env, offered, tmp_path, requ
         for key, value in {**(request.getfixturevalue("two_gpu_machine") if machine == "two-gpus" else {}),
                            **env}.items():
             mp.setenv(key, value)
-        info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=1, dashboard=False)
+        umask = os.umask(0o002)  # a desktop user's usual umask: group-writable files by default
         try:
+            info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=1, dashboard=False)
+        finally:
+            os.umask(umask)
+        try:
+            assert os.lstat(state / "head.json").st_mode & 0o777 == 0o600  # check_private accepts it
+            assert local_head.read_info(state) == info
             join_loopback_head(mp, info)
             with caplog.at_level("INFO", logger=local_head.__name__):
                 resources = local_head.wait_for_node(info)

@@ -89,3 +89,33 @@ def test_non_utf8_jsonl_names_the_line_and_the_fix(tiny_config, tmp_path):
         run_phase(ctx, "plan", 0)
     assert f"{data}:2: not UTF-8 (byte 0xe9" in str(err.value) and "re-encode the file as UTF-8" in str(err.value)
     assert not _markers(ctx.store, ctx.layout.root + "/")
+
+
+def test_a_repin_killed_before_its_set_aside_is_finished_by_the_next_pin(tiny_config, monkeypatch):
+    """The new pin is written first and says its set-aside is pending: a re-pin that dies right after
+    (here: the set-aside raises once) is finished by the next pin, never taken for a finished one."""
+    from verl_tasks import pinning
+
+    ctx = make_context(tiny_config(**FAST))
+    run_phase(ctx, "plan", 0)
+    old_data = ctx.layout.data("train")
+    assert is_committed(ctx.store, old_data)
+    changed = make_context(tiny_config(**FAST, seed=3))
+    real = pinning._set_prelude_aside
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt("killed between the pin and the set-aside")
+
+    monkeypatch.setattr(pinning, "_set_prelude_aside", dies)
+    with pytest.raises(KeyboardInterrupt):
+        pinning.pin_experiment(changed)
+    pin = json.loads(ctx.store.get(ctx.layout.experiment_json))
+    assert pin["config_hash"] == changed.config.config_hash() and pinning.PENDING in pin
+    assert is_committed(ctx.store, old_data)  # computed under the old seed, not yet set aside
+
+    monkeypatch.setattr(pinning, "_set_prelude_aside", real)
+    done = pinning.pin_experiment(changed)
+    assert pinning.PENDING not in done and pinning.PENDING not in json.loads(ctx.store.get(ctx.layout.experiment_json))
+    assert not is_committed(ctx.store, old_data), "the old config's data must be set aside"
+    second = run_phase(changed, "plan", 0)  # recomputed under the new config
+    assert is_committed(ctx.store, old_data) and second is not None

@@ -124,6 +124,8 @@ def _pin_once(config: ExperimentConfig, store: ObjectStore, layout: Layout, pare
     claimant = dag if check_write(existing, config.experiment, dag) else None
     _keep_owner(body, existing, claimant)
     if existing["config_hash"] == body["config_hash"]:
+        if PENDING in existing:  # a re-pin stopped between its pin and its set-aside: finish it first
+            return _finish_set_aside(store, layout, existing, version)
         # The settings outside the hash (resources, timeouts, trackers, ...) are the newest run's: a Ray job
         # reads its config from this pin (by reference, verl_tasks.execution.entry), so it must see them.
         updated = {**existing, "config": body["config"]}
@@ -141,13 +143,30 @@ def _pin_once(config: ExperimentConfig, store: ObjectStore, layout: Layout, pare
     body["parent"] = parent or existing.get("parent")
     # The pin before the set-aside: a unit committing under the old config meanwhile either has its marker
     # before the set-aside's scan (set aside there) or reads the new pin after its marker (``UnitWriter.commit``).
+    # The pin says the set-aside is pending until it is done: a re-pin killed in between is finished by the
+    # next pin_experiment, never taken for a finished one.
+    body[PENDING] = {"differing_keys": keys, "old_parent": existing.get("parent")}
     if not store.put_if_match(layout.experiment_json, _encoded(body), version):
         return None
-    moved = _set_prelude_aside(store, layout, keys, existing.get("parent"))
+    _, version = _read_versioned(store, layout)
+    return _finish_set_aside(store, layout, body, version)
+
+
+PENDING = "set_aside_pending"
+
+
+def _finish_set_aside(store: ObjectStore, layout: Layout, pin: dict[str, Any], version: str) -> dict[str, Any] | None:
+    """Set aside what the old config computed (idempotent), then drop the pending mark from the pin."""
+    pending = pin[PENDING]
+    keys = list(pending.get("differing_keys") or [])
+    moved = _set_prelude_aside(store, layout, keys, pending.get("old_parent"))
+    done = {k: v for k, v in pin.items() if k != PENDING}
+    if not store.put_if_match(layout.experiment_json, _encoded(done), version):
+        return None  # the pin changed meanwhile: decide again against it
     record_event(store, layout, "repinned", differing_keys=keys, set_aside=moved)
     log.warning("experiment %s had committed no rollout yet: re-pinned with the new config (changed: %s)",
-                config.experiment, ", ".join(keys))
-    return body
+                pin.get("experiment"), ", ".join(keys))
+    return done
 
 
 def _encoded(pin: dict[str, Any]) -> bytes:

@@ -39,18 +39,6 @@ def is_secret_name(name: str) -> bool:
     return upper.startswith(SECRET_PREFIXES) or bool(SECRET_WORDS.search(upper))
 
 
-def scrubbed_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without any variable :func:`is_secret_name` flags."""
-    return {k: v for k, v in env.items() if not is_secret_name(k)}
-
-
-def reward_env_allows(name: str) -> bool:
-    """Whether a variable of this name may reach a reward function (the allow-list of :func:`reward_env`)."""
-    if name in REWARD_ENV_SET or name in REWARD_ENV_COPIED:
-        return True
-    return name.startswith(REWARD_ENV_PREFIX) and not is_secret_name(name)
-
-
 def reward_env(parent: Mapping[str, str], settings: Mapping[str, str]) -> dict[str, str]:
     """A reward function's environment: ``settings`` (names from ``REWARD_ENV_SET``), then what the
     allow-list copies from ``parent``. Nothing else of ``parent`` passes.
@@ -67,5 +55,4 @@ def reward_env(parent: Mapping[str, str], settings: Mapping[str, str]) -> dict[s
     return env
 
 
-__all__ = ["is_secret_name", "scrubbed_env", "reward_env", "reward_env_allows", "REWARD_ENV_SET",
-           "REWARD_ENV_COPIED", "REWARD_ENV_PREFIX"]
+__all__ = ["is_secret_name", "reward_env", "REWARD_ENV_SET", "REWARD_ENV_COPIED", "REWARD_ENV_PREFIX"]

@@ -377,7 +377,7 @@ def step_chart_rows(store: ObjectStore, layout: Layout, rows: list[dict[str, Any
         record = read_marker(store, layout.update(epoch))
         return read_jsonl(store, record, STEPS_FILE) if record and STEPS_FILE in record.files else []
 
-    epochs = [row["epoch"] for row in rows if row["phases"].get("update") == "committed"]
+    epochs = [row["epoch"] for row in rows if row["phases"].get("update") in ("committed", "pruned")]
     with ThreadPoolExecutor(max_workers=8) as pool:
         per_epoch = list(pool.map(steps_of, epochs))
     titles = dict(STEP_CURVES)

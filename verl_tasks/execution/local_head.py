@@ -382,7 +382,11 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
                                 cwd=str(cwd or state_dir))
     info = HeadInfo(proc.pid, f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{port}", str(token_file),
                     str(tmpdir), str(log_file), start_time(proc.pid), boot_id())
-    (state_dir / "head.json").write_text(json.dumps(asdict(info), indent=1))
+    # 0600 from creation, whatever the umask: check_private refuses a head.json others could write.
+    fd = os.open(state_dir / "head.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(asdict(info), indent=1))
     return info
 
 

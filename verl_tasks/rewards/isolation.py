@@ -7,7 +7,7 @@ tmpfs holding only what is bound into it, read-only; a fresh ``/proc`` of the ne
 namespace; a private, size-limited ``/tmp``; no capabilities, ``no_new_privs``, a new session,
 no nested user namespaces; the sandbox's PID 1 killed with its parent). Doing that with
 ``unshare`` means writing the mount and ``pivot_root`` dance ourselves, and bubblewrap is one
-Debian package (``make install`` installs it). It costs little: see the start-up figures in
+Debian package (``make system-packages`` installs it). It costs little: see the start-up figures in
 :mod:`verl_tasks.rewards.sandbox`.
 
 Which uid: the worker runs as uid 65534 inside its user namespace, with no capabilities.

@@ -8,9 +8,9 @@ says why bubblewrap and what the uid is):
 - its own network namespace (no loopback services, no instance metadata), PID namespace (a fresh
   ``/proc``: no other process, no parent's ``environ``), mount namespace (an empty root with,
   read-only, ``/usr``, the interpreter's prefixes, the venv, the ``verl_tasks`` package and the
-  reward module's top-level package; never the store, the working folder or ``/tmp`` of this
-  machine), and a private ``/tmp`` of ``memory_limit_mb`` at most, which is also its ``HOME`` and
-  working folder;
+  reward module's top-level package, bound over the sandbox's own ``/tmp`` where they live under
+  this machine's; never the store, the working folder or anything else of this machine's ``/tmp``),
+  and a private ``/tmp`` of ``memory_limit_mb`` at most, which is also its ``HOME`` and working folder;
 - uid 65534 inside, no capabilities, ``no_new_privs``, its own session, no nested user namespaces;
 - an environment built from an allow-list (:func:`verl_tasks.secrets.reward_env`), for bubblewrap
   too (its PID 1 is inside, and its ``environ`` is readable there);

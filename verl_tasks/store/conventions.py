@@ -27,7 +27,7 @@ WRITTEN_BY_SNAPSHOT = (TRAINER_STATE, METRICS)
 # A child's base snapshot starts a fresh optimizer and its own state, so these stay with the parent.
 NOT_COPIED = (OPTIMIZER, TRAINER_STATE, METRICS)
 # Retention keeps these (and every other .json file) of a pruned unit.
-KEEP_WHEN_PRUNED = (METRICS, TRAINER_STATE)
+KEEP_WHEN_PRUNED = (METRICS, TRAINER_STATE, STEPS_FILE)
 # Left out of an HF export.
 TRAINING_ONLY = (OPTIMIZER, TRAINER_STATE)
 

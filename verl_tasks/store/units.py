@@ -306,12 +306,16 @@ class UnitWriter:
         except WriteConflict as err:
             return self._undecided(err)
         winner = read_marker(self.store, self.unit)
-        if winner is None:  # pragma: no cover - a marker cannot vanish between the two calls
-            raise StoreError(f"{self.unit}: marker write refused but no marker found")
+        if winner is None:  # set aside (a re-pin's quarantine) between our write and this read
+            self.discard()
+            raise StoreError(f"{self.unit}: attempt {self.attempt} met a marker that was gone again when read "
+                             f"(set aside by a re-pin?); nothing was committed: rerun the task")
         if winner.attempt == self.attempt:
             # Our write landed but its reply was lost; the client's retry then saw our own marker.
             return self._published(winner)
         self.discard()
+        if self.pin is not None and winner.config_hash not in (None, self.pin.config_hash):
+            raise ConfigRepinned(self.unit, winner.attempt, winner.config_hash, self.pin.config_hash)
         log.info("unit %s was committed by attempt %s first; discarded %s", self.unit, winner.attempt, self.attempt)
         return winner, False
 
