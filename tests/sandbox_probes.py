@@ -58,10 +58,12 @@ def connect(data_source, solution_str, ground_truth, extra_info):
 
 def forge_commit(data_source, solution_str, ground_truth, extra_info):
     """Writes a file and a ``_SUCCESS`` marker for it into a local store (``extra_info["store"]``,
-    unit ``extra_info["unit"]``), as a committed unit looks. 1.0 when both were written; raises
-    when the store's folder is visible but not writable (the boundary half held)."""
+    unit ``extra_info["unit"]``), as a committed unit looks. 1.0 when both were written into the real
+    store (its committed ``extra_info["witness"]`` is there to see); 0.0 when the store is not visible (a
+    write then lands, if anywhere, in the sandbox's own empty view); raises when the store is visible but
+    not writable (the boundary half held)."""
     root, unit = extra_info["store"], extra_info["unit"]
-    visible = os.path.isdir(root)
+    visible = os.path.exists(os.path.join(root, extra_info["witness"]))
     body = b'{"sample_id": "forged", "score": 1.0}\n'
     marker = {"unit": unit, "attempt": "forged", "meta": {}, "committed_at": time.time(),
               "files": {"scores.jsonl": {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}}}
@@ -76,7 +78,7 @@ def forge_commit(data_source, solution_str, ground_truth, extra_info):
         if visible:
             raise LookupError(f"the store is visible ({err})") from None
         return 0.0
-    return 1.0
+    return 1.0 if visible else 0.0
 
 
 def setsid_grandchild(data_source, solution_str, ground_truth, extra_info):

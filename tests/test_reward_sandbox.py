@@ -122,15 +122,15 @@ def test_the_local_store_does_not_exist_in_the_sandbox(store_beside_the_code):
     from verl_tasks.store.units import read_marker
 
     root, store = store_beside_the_code
-    unit = "exp/epochs/00000/score/b0001"
+    unit, witness = "exp/epochs/00000/score/b0001", "exp/epochs/00000/score/b0000/_SUCCESS"
     with RewardSandbox(f"{PROBES}:forge_commit", 10.0, 1024) as box:
-        result = box.score(_request(store=str(root), unit=unit), default=-1.0)
-    assert result.scores == [0.0] and not result.failures, result  # the folder is not there at all
+        result = box.score(_request(store=str(root), unit=unit, witness=witness), default=-1.0)
+    assert result.scores == [0.0] and not result.failures, result  # the store's content is not there at all
     assert read_marker(store, unit) is None and not (root / unit).exists()
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("_SUCCESS")) == [
         "exp/epochs/00000/score/b0000/_SUCCESS"]
     with RewardSandbox(f"{PROBES}:forge_commit", 10.0, 1024, isolation="process") as box:
-        assert box.score(_request(store=str(root), unit=unit), default=-1.0).scores == [1.0]
+        assert box.score(_request(store=str(root), unit=unit, witness=witness), default=-1.0).scores == [1.0]
     assert read_marker(store, unit) is not None  # what process isolation cannot prevent (hence the warning)
 
 
