@@ -26,7 +26,9 @@ stop_airflow() {
   GROUP=""
 }
 cleanup() {
-  trap - INT TERM
+  # Ignored, not reset: `make` forwards a SIGTERM to this script after the group got one, and a second
+  # signal must not end the cleanup before the Ray head is stopped.
+  trap '' INT TERM
   stop_airflow
   "$PY" -m verl_tasks.execution.local_head stop --state-dir "$STATE" || true
 }
