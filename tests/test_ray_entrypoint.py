@@ -1,4 +1,4 @@
-"""A Ray job gets its config by reference (issue 21): the entrypoint names the store, the experiment and
+"""A Ray job gets its config by reference: the entrypoint names the store, the experiment and
 the config hash; the job reads the pinned ``experiment.json`` and refuses a pin that changed.
 
 No Ray head here: ``tests/airflow/test_ray_backend.py`` checks the same on a real cluster."""

@@ -1,4 +1,4 @@
-"""Clear a *running* rollout task through the REST API (issue 8, "units that stop").
+"""Clear a *running* rollout task through the REST API.
 
 The real stack of the end-to-end test (its ``stack`` fixture: `airflow standalone` on
 PostgreSQL, a local Ray head with the test fault hooks, S3 on a moto server, and a fault-free
@@ -41,7 +41,7 @@ from tests.airflow.test_e2e import (  # noqa: F401 - `stack` is the fixture this
     stack,
 )
 
-STOP_S = 5.0  # issue 8: the actor's work stops within 5 s of the clear
+STOP_S = 5.0  # the actor's work stops within 5 s of the clear
 BATCH = 1
 
 

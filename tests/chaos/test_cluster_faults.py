@@ -1,4 +1,4 @@
-"""Chaos matrix, cluster faults (issue 4, rows 1, 9, 10) on the real stack: Airflow 3.3 run as
+"""Chaos matrix, cluster faults (rows 1, 9, 10) on the real stack: Airflow 3.3 run as
 separate components (api-server, scheduler, dag-processor, triggerer; LocalExecutor, PostgreSQL),
 a project-local Ray head (token auth on), S3 on a moto server. One stack per module.
 
