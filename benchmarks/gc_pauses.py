@@ -65,12 +65,9 @@ class InlineEpochs:
         self.epoch = 0
 
     def step(self) -> None:
-        from verl_tasks.runner import epoch_phases, run_in_process
+        from benchmarks.run import inline_epoch
 
-        for phase, batches in epoch_phases(self.ctx, self.epoch, self.ctx.config.epochs):
-            if phase != "evaluate":
-                for _ in run_in_process(self.ctx, phase, self.epoch, batches):
-                    pass
+        inline_epoch(self.ctx, self.epoch)
         self.epoch += 1
 
 

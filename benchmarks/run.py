@@ -165,6 +165,16 @@ def provenance(command: str) -> str:
             f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d', time.gmtime())}.")
 
 
+def inline_epoch(ctx, epoch: int) -> None:
+    """One epoch through the inline runner, every phase but evaluate (what the epoch benchmarks time)."""
+    from verl_tasks.runner import epoch_phases, run_in_process
+
+    for phase, batches in epoch_phases(ctx, epoch, ctx.config.epochs):
+        if phase != "evaluate":
+            for _ in run_in_process(ctx, phase, epoch, batches):
+                pass
+
+
 def write_section(output: Path, text: str, owner: str) -> None:
     """Replace ``owner``'s section of ``output`` (BENCHMARKS.md) with ``text``; the rest of the file stays."""
     output.write_text(replace_generated(output.read_text() if output.exists() else "", text, owner=owner))

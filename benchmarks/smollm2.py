@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["hf", "vllm"])
     parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
-    from benchmarks.run import replace_generated
+    from benchmarks.run import write_section
     from verl_tasks.models.gguf_import import import_gguf, packaged_smollm2
 
     import_gguf(packaged_smollm2(), MODEL)
@@ -177,8 +177,7 @@ def main() -> None:
     text = markdown(results, command.strip())
     print(text)
     print(json.dumps(results))
-    existing = args.output.read_text() if args.output.exists() else ""
-    args.output.write_text(replace_generated(existing, text, owner=OWNER))
+    write_section(args.output, text, OWNER)
 
 
 if __name__ == "__main__":

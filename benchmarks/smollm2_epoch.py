@@ -105,12 +105,9 @@ class InlineEpochs:
         self.epoch = 0
 
     def step(self) -> None:
-        from verl_tasks.runner import epoch_phases, run_in_process
+        from benchmarks.run import inline_epoch
 
-        for phase, batches in epoch_phases(self.ctx, self.epoch, self.ctx.config.epochs):
-            if phase != "evaluate":
-                for _ in run_in_process(self.ctx, phase, self.epoch, batches):
-                    pass
+        inline_epoch(self.ctx, self.epoch)
         self.epoch += 1
 
 
@@ -137,7 +134,7 @@ def main() -> None:
 
     import torch
 
-    from benchmarks.run import replace_generated
+    from benchmarks.run import write_section
     from verl_tasks.models.gguf_import import import_gguf, packaged_smollm2
 
     logging.basicConfig(level=logging.WARNING)
@@ -181,8 +178,7 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    existing = args.output.read_text() if args.output.exists() else ""
-    args.output.write_text(replace_generated(existing, text, owner=OWNER))
+    write_section(args.output, text, OWNER)
 
 
 if __name__ == "__main__":

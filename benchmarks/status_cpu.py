@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
-    from benchmarks.run import replace_generated
+    from benchmarks.run import write_section
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="vt-status-bench-") as tmp:
@@ -113,8 +113,7 @@ def main() -> None:
     command = " ".join([".venv/bin/python benchmarks/status_cpu.py", *sys.argv[1:]])
     text = markdown(rows, args.repeats, command)
     print(text)
-    existing = args.output.read_text() if args.output.exists() else ""
-    args.output.write_text(replace_generated(existing, text, owner=OWNER))
+    write_section(args.output, text, OWNER)
 
 
 if __name__ == "__main__":
