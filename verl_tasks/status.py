@@ -128,7 +128,10 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")},
                  "parent": base_origin(store, config.experiment)},
         "safe_mode": read_safe_mode(store, layout),
-        "finished": all(epoch_done(config, store, layout, epoch, config.epochs) for epoch in range(config.epochs)),
+        # epoch_done's rule, read off the listing above instead of one store call per epoch.
+        "finished": all(f"{layout.snapshot(e + 1)}/{MARKER}" in keys and (
+            not config.should_evaluate(e, config.epochs) or f"{layout.evaluate(e)}/{MARKER}" in keys)
+            for e in range(config.epochs)),
     }
 
 
