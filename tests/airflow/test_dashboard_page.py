@@ -440,7 +440,8 @@ def test_the_safe_mode_notice_says_what_happened_and_the_clear_to_do_first(bad_n
     unit = ctx.layout.rollout(2, 1)
     assert first.startswith(f"SAFE MODE: {unit} failed after all its retries. To continue: Clear "
                             "epoch_002.rollout (map index 1) in DAG dag_a with Downstream checked"), first
-    assert '<a href="/dags/dag_a/tasks/epoch_002.rollout" target="_top"><code>epoch_002.rollout</code></a>' in page
+    assert ('<a href="/dags/dag_a/runs/manual__1/tasks/epoch_002.rollout/mapped/1" target="_top">'
+            '<code>epoch_002.rollout</code></a>') in page  # the task instance's page: its log and its Clear
     what = block.group(1)
     assert f'<a href="/verl-tasks/unit?dag=dag_a&amp;key={unit}">{unit}</a>' in what
     assert ("try 4:\n<strong class=\"error-class\">JobFailed</strong>: Ray job vt-exp-a-e2-rollout-b1-a4 ended "
@@ -449,6 +450,45 @@ def test_the_safe_mode_notice_says_what_happened_and_the_clear_to_do_first(bad_n
     folded = re.findall(r"<details[^>]*>\s*<summary>[^<]*</summary>\s*<pre>(.*?)</pre>\s*</details>", page, re.S)
     assert len(folded) == 1 and html.unescape(folded[0]) == LOG_TAIL
     assert page.count("Traceback (most recent call last)") == 1  # only there: folded
+
+
+def test_a_task_safe_mode_refused_is_drawn_refused_and_the_clear_to_do_becomes_the_run_s(bad_night):
+    """Batch 3's task started after safe mode was entered: the phase refused it. It is no failed batch and
+    changes nothing of the record; the page draws it refused, and the first line asks for the run's Clear
+    of its failed tasks, which reruns it with batch 1 (a Clear of batch 1 alone would leave it failed)."""
+    import html
+    import re
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from verl_tasks.airflow import callbacks
+    from verl_tasks.airflow.plugin import render_page
+    from verl_tasks.errors import SafeMode
+    from verl_tasks.ops.safe_mode import failed_batches, read_safe_mode
+    from verl_tasks.phases.common import run_unit
+
+    source, ctx = bad_night
+    before = read_safe_mode(source.store, ctx.layout)
+    with pytest.raises(SafeMode) as refusal:
+        run_unit(ctx, "rollout", ctx.layout.rollout(2, 3), 2, lambda writer: pytest.fail("it ran"), 3)
+    failure = AirflowFailException(f"{ctx.layout.rollout(2, 3)}: SafeMode: {refusal.value}")
+    failure.__cause__ = refusal.value
+    callbacks.on_failure(_context(source.path, "rollout", 3, 1, failure))
+    assert failed_batches(source.store, ctx.layout, 2, final_only=True) == {1}
+    assert read_safe_mode(source.store, ctx.layout) == before
+
+    page = render_page([source], [source])
+    css, title, text = _cell(page, ctx.layout.rollout(2, 3))
+    assert (css, text) == ("refused", "") and "not run: the experiment was in safe mode" in title, title
+    assert _cell(page, ctx.layout.rollout(2, 1))[0] == "failed retried"
+    block = re.search(r'<div class="safe-mode" role="alert">(.*?)</div>', page, re.S).group(1)
+    first = " ".join(html.unescape(re.sub(r"<[^>]+>", "", re.search(r"<p[^>]*>(.*?)</p>", block, re.S).group(1)))
+                     .split())
+    assert first == (f"SAFE MODE: {ctx.layout.rollout(2, 1)} failed after all its retries. To continue: Clear the "
+                     "failed tasks of run manual__1 in DAG dag_a (the run's Clear, with \"Clear only failed tasks\"): "
+                     "safe mode also refused epoch_002.rollout (map index 3), which never ran. The Clear lifts safe "
+                     "mode and reruns only the units that are not committed."), first
+    assert '<a href="/dags/dag_a/runs/manual__1" target="_top"><code>manual__1</code></a>' in block
 
 
 def test_the_unit_page_links_its_airflow_task_and_folds_each_traceback(bad_night):

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from verl_tasks.airflow import rest
-from verl_tasks.errors import NotPermitted
+from verl_tasks.errors import NotPermitted, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import (
@@ -58,6 +58,7 @@ def _unit_info(context: dict[str, Any]) -> tuple[Any, Any, Any, str, dict[str, A
         "task_id": getattr(ti, "task_id", task.task_id),
         "map_index": getattr(ti, "map_index", -1),
         "try_number": getattr(ti, "try_number", None),
+        "run_id": getattr(ti, "run_id", None),
         "error": f"{type(context.get('exception')).__name__}: {context.get('exception')}"[:1500],
     }
     return cfg, store, layout, unit, info
@@ -158,14 +159,23 @@ def _halt(context: dict[str, Any], cfg: Any, store: Any, failed: list[dict[str, 
     return summary
 
 
-def refused_by_owner(context: dict[str, Any]) -> bool:
-    """The task failed because its DAG may not write to the experiment: record nothing there, halt nothing."""
+def _caused_by(context: dict[str, Any], kind: type[BaseException]) -> bool:
     err = context.get("exception")
     while err is not None:
-        if isinstance(err, NotPermitted):
+        if isinstance(err, kind):
             return True
         err = err.__cause__
     return False
+
+
+def refused_by_owner(context: dict[str, Any]) -> bool:
+    """The task failed because its DAG may not write to the experiment: record nothing there, halt nothing."""
+    return _caused_by(context, NotPermitted)
+
+
+def refused_by_safe_mode(context: dict[str, Any]) -> bool:
+    """The task failed because the experiment was already halted: its unit never ran, and failed in nothing."""
+    return _caused_by(context, SafeMode)
 
 
 def _count_failed_try(context: dict[str, Any], store: Any, layout: Layout, info: dict[str, Any], *,
@@ -208,12 +218,18 @@ def on_failure(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None
     With ``fault_tolerance.min_committed_batch_fraction`` below 1, a batch whose rollout or score
     failed for good is left to the epoch's validate (it runs on ``all_done`` and records the
     skipped batches) while the batches failed for good still leave that share committed.
+    A task that safe mode refused (its unit never ran) is recorded as refused: no failed batch, no new halt.
     """
     if refused_by_owner(context):
         log.warning("not recorded in the experiment: this DAG may not write to it (%s)", context.get("exception"))
         return
     cfg, store, layout, unit, info = _unit_info(context)
     task = context["task"]
+    if refused_by_safe_mode(context):  # neither a failed batch nor a new halt: the Clear of the run's failed tasks
+        record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True,
+                     refused="safe_mode", **info)
+        log.warning("%s did not run: %s is in safe mode", unit, cfg.experiment)
+        return
     record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True, **info)
     if task.batch is not None:
         lost = _count_failed_try(context, store, layout, info, final=True)

@@ -26,8 +26,9 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -82,6 +83,7 @@ class UnitCell:
     skipped: bool = False  # the epoch went on without this batch
     running: bool = False  # the newest try started and has not ended
     final: bool = False  # the newest failure was the task's last try: Airflow retries it no more
+    refused: bool = False  # the newest try was refused by safe mode: the unit did not run
     error: str = ""  # the newest failure's error, its first line
     epoch: int | None = None
 
@@ -99,6 +101,8 @@ class UnitCell:
             return "skipped"
         if self.running:
             return "running"
+        if self.refused:
+            return "refused"
         return "failed" if self.failures else self.state
 
     def shown(self, href: str = "", batched: bool = False) -> tuple[str, str, str, str]:
@@ -125,10 +129,12 @@ class UnitCell:
         text = ", ".join(parts)
         if state == "skipped":
             text += "; the epoch went on without this batch"
+        elif state == "refused":
+            text += "; not run: the experiment was in safe mode; the Clear of the run's failed tasks runs it"
         elif state == "failed":
             text += ("; failed for good: Clear its task to run it again" if self.final
                      else "; Airflow retries it unless it was the last try")
-        if self.error and state != "committed":
+        if self.error and state not in ("committed", "refused"):
             text += f"; last error: {self.error[:200]}"
         return text
 
@@ -177,10 +183,13 @@ def _unit_stats(events: list[dict[str, Any]]) -> dict[str, UnitCell]:
             cell.epoch = event["epoch"]
         if kind == "started":
             seen.setdefault(unit, set()).add(str(event.get("attempt")))
-            cell.attempts, cell.running = len(seen[unit]), True
+            cell.attempts, cell.running, cell.refused = len(seen[unit]), True, False
             told.discard(unit)
+        elif kind == TASK_FAILED and event.get("refused"):  # safe mode refused the try: nothing ran or failed
+            cell.running, cell.refused, cell.final = False, True, True
         elif kind == "failed":  # the runner: this attempt raised
             cell.failures += 1
+            cell.refused = False
             cell.running, cell.final, cell.error = False, False, first_line(event.get("error"))
             told.add(unit)
         elif kind == TASK_FAILED:  # Airflow's callback: this try failed (its attempt's own "failed" may precede it)
@@ -189,7 +198,7 @@ def _unit_stats(events: list[dict[str, Any]]) -> dict[str, UnitCell]:
             else:
                 cell.failures += 1
                 cell.error = first_line(event.get("error"))
-            cell.running, cell.final = False, bool(event.get("final"))
+            cell.running, cell.final, cell.refused = False, bool(event.get("final")), False
         elif kind in ("committed", "lost_race"):
             cell.running = False
             told.discard(unit)
@@ -222,7 +231,7 @@ def _grid(cfg: ExperimentConfig, store: ObjectStore, rows: list[dict[str, Any]],
     batches = cfg.rollout.batches_per_epoch
     known = {row["epoch"] for row in rows}
     # An epoch whose units only failed so far has no row in ``status``: the grid shows it all the same.
-    tried = {c.epoch for c in stats.values() if (c.failures or c.running) and c.epoch is not None
+    tried = {c.epoch for c in stats.values() if (c.failures or c.running or c.refused) and c.epoch is not None
              and 0 <= c.epoch < cfg.epochs and c.epoch not in known}
     if tried:
         rows = sorted(rows + [{"epoch": e, "phases": dict.fromkeys(PHASE_NAMES, "absent"), "metrics": {}}
@@ -249,8 +258,7 @@ def _cell(unit: str, state: str, stats: dict[str, UnitCell], skipped: bool = Fal
     seen = stats.get(unit)
     if seen is None:
         return UnitCell(state=state, key=unit, skipped=skipped)
-    return UnitCell(state, seen.attempts, seen.failures, seen.duration_s, unit, skipped, seen.running, seen.final,
-                    seen.error, seen.epoch)
+    return replace(seen, state=state, key=unit, skipped=skipped)
 
 
 def split_error(text: Any) -> tuple[str, str, str]:
@@ -274,12 +282,38 @@ def split_error(text: Any) -> tuple[str, str, str]:
     return cls, message.strip(), detail.strip("\n")
 
 
-def safe_mode_view(record: dict[str, Any] | None) -> dict[str, Any] | None:
+def _map_index(value: Any) -> int | None:
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def refused_tasks(events: list[dict[str, Any]], stats: dict[str, UnitCell], since: Any) -> list[dict[str, Any]]:
+    """The task instances safe mode refused since ``since`` (it was entered then) whose units have not run
+    since: each ``{unit, task_id, map_index, run_id}``, once per unit, oldest first."""
+    after = _number(since)
+    found: dict[str, dict[str, Any]] = {}
+    for event in events:
+        unit = event.get("unit")
+        if event.get("kind") != TASK_FAILED or not event.get("refused") or not isinstance(unit, str):
+            continue
+        when = _number(event.get("time"))
+        if after is not None and when is not None and when < after:
+            continue
+        cell = stats.get(unit)
+        if cell is not None and cell.refused:
+            found[unit] = {"unit": unit, "task_id": str(event.get("task_id") or ""),
+                           "map_index": _map_index(event.get("map_index")), "run_id": event.get("run_id")}
+    return list(found.values())
+
+
+def safe_mode_view(record: dict[str, Any] | None,
+                   refused: Sequence[dict[str, Any]] = ()) -> dict[str, Any] | None:
     """The safe-mode record (:func:`verl_tasks.ops.safe_mode.escalate`) as the page shows it, or None.
 
     ``what`` (one line: why it halted, naming the failed units), ``units`` (each: unit, task_id, map_index,
     try_number, error_class, message, detail), ``dag_id`` and ``paused`` (the Clear to do, and whether to
-    unpause first), ``commands`` (each runnable as printed), ``entered`` (when)."""
+    unpause first), ``commands`` (each runnable as printed), ``entered`` (when). ``refused``
+    (:func:`refused_tasks`): tasks that failed only because safe mode refused them; with any, the Clear
+    to do is the run's Clear of its failed tasks (``run_id``), which reruns them with the failed units."""
     if not isinstance(record, dict):
         return None
     units: list[dict[str, Any]] = []
@@ -287,11 +321,11 @@ def safe_mode_view(record: dict[str, Any] | None) -> dict[str, Any] | None:
         if not isinstance(item, dict):
             continue
         cls, message, detail = split_error(item.get("error"))
-        map_index = item.get("map_index")
         units.append({
             "unit": str(item.get("unit") or "?"),
             "task_id": str(item["task_id"]) if item.get("task_id") else None,
-            "map_index": map_index if isinstance(map_index, int) and map_index >= 0 else None,
+            "map_index": _map_index(item.get("map_index")),
+            "run_id": str(item["run_id"]) if item.get("run_id") else None,
             "try_number": item.get("try_number"),
             "error_class": cls, "message": message, "detail": detail,
             "detail_lines": detail.count("\n") + 1 if detail else 0,
@@ -301,9 +335,12 @@ def safe_mode_view(record: dict[str, Any] | None) -> dict[str, Any] | None:
     commands = record.get("commands")
     if not isinstance(commands, dict):
         commands = {}
+    runs = [u["run_id"] for u in units if u["run_id"]] + [str(t["run_id"]) for t in refused if t.get("run_id")]
     return {
         "what": reason + (f" (failed: {', '.join(unnamed)})" if unnamed else ""),
         "units": units,
+        "refused": list(refused),
+        "run_id": runs[0] if runs else None,
         "dag_id": str(record["dag_id"]) if record.get("dag_id") else None,
         "paused": bool(record.get("dag_paused")),
         "commands": {str(k): str(v) for k, v in commands.items() if v},
@@ -449,7 +486,8 @@ def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | N
     return {
         "status": st,
         "grid": _grid(cfg, store, st["epochs"], stats, unit_href),
-        "safe_mode": safe_mode_view(st["safe_mode"]),
+        "safe_mode": safe_mode_view(st["safe_mode"], refused_tasks(events, stats, (st["safe_mode"] or {})
+                                                                  .get("entered_at")) if st["safe_mode"] else []),
         "phases": PHASE_NAMES,
         "batched": BATCHED,
         "snapshots": _snapshots(layout, st["epochs"], events, st["quarantined"]),
@@ -479,5 +517,5 @@ def store_records(store: ObjectStore, limit: int = MAX_EXPERIMENTS_LISTED) -> di
 
 
 __all__ = ["experiment_view", "store_records", "curves_svg", "chart_rows", "filter_events",
-           "recent_events", "safe_mode_view", "split_error", "EVENTS_SHOWN", "MAX_EVENTS_READ",
+           "recent_events", "refused_tasks", "safe_mode_view", "split_error", "EVENTS_SHOWN", "MAX_EVENTS_READ",
            "MAX_EXPERIMENTS_LISTED", "CURVES"]

@@ -49,6 +49,17 @@ def task_url(dag_id: str, task: str) -> str:
     return f"{base_path()}/dags/{quote(dag_id, safe='')}/tasks/{quote(task, safe='')}"
 
 
+def run_url(dag_id: str, run_id: str) -> str:
+    """The DAG run's page in Airflow's UI: its Clear (with "Clear only failed tasks") reruns every failed task."""
+    return f"{base_path()}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+
+
+def task_instance_url(dag_id: str, run_id: str, task: str, map_index: int | None) -> str:
+    """One task instance's page in Airflow's UI (a mapped one by its map index): its log and its Clear."""
+    url = f"{run_url(dag_id, run_id)}/tasks/{quote(task, safe='')}"
+    return url + (f"/mapped/{map_index}" if map_index is not None else "")
+
+
 def unit_page(dag_id: str, key: str = "") -> str:
     """The unit's page on the Training dashboard (its experiment is the key's first part); with ``key``
     empty, the prefix a URL-quoted key completes (the Training page's cells)."""
@@ -88,4 +99,4 @@ class RayJobLink(BaseOperatorLink):
         return f"{ray_target(operator.ray_conn_id).address.rstrip('/')}/#/jobs/{submission}"
 
 
-__all__ = ["StoreUnitLink", "RayJobLink", "task_id", "task_url", "unit_page"]
+__all__ = ["StoreUnitLink", "RayJobLink", "run_url", "task_id", "task_instance_url", "task_url", "unit_page"]

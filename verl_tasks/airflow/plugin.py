@@ -187,7 +187,7 @@ def render_section(source: Source, experiment: str, epoch: int | None = None, ph
     Each unit cell links to the unit's page; the safe-mode notice links each failed unit's page and its
     task in Airflow's UI, where a person clears it."""
     from verl_tasks.airflow.dashboard import experiment_view
-    from verl_tasks.airflow.links import task_url, unit_page
+    from verl_tasks.airflow.links import run_url, task_instance_url, task_url, unit_page
 
     try:
         view = experiment_view(source.config(experiment), source.store, epoch=epoch, phase=phase,
@@ -197,9 +197,14 @@ def render_section(source: Source, experiment: str, epoch: int | None = None, ph
             return unreachable(source, err)
         return f"{source.dag_id} / {experiment}: {type(err).__name__}: {err}"
     halted = view["safe_mode"]
-    for unit in (halted or {}).get("units", []):
-        unit["unit_url"] = unit_page(source.dag_id, unit["unit"])
-        unit["task_url"] = task_url(halted["dag_id"] or source.dag_id, unit["task_id"]) if unit["task_id"] else None
+    if halted:
+        dag_id = halted["dag_id"] or source.dag_id
+        halted["run_url"] = run_url(dag_id, halted["run_id"]) if halted["run_id"] else None
+        for unit in halted["units"] + halted["refused"]:
+            unit["unit_url"] = unit_page(source.dag_id, unit["unit"])
+            unit["task_url"] = None if not unit["task_id"] else (
+                task_instance_url(dag_id, unit["run_id"], unit["task_id"], unit["map_index"]) if unit["run_id"]
+                else task_url(dag_id, unit["task_id"]))
     return {"dag": source.dag_id, "yaml": source.path.name, "view": view}
 
 
