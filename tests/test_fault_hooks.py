@@ -12,7 +12,7 @@ from verl_tasks import hooks
 
 # Names of the hooks that product code used to read from a run's conf or the environment, and of
 # the test harness's variable: none may appear in the package.
-REMOVED = re.compile(r"fail_once|FAIL_ONCE|TEST_HOLD|HOLD_ENV|VT_TEST_FAULTS|maybe_fail|InjectedFault|\.hold\b")
+REMOVED = re.compile(r"fail_once|fail_at_commit|FAIL_ONCE|TEST_HOLD|HOLD_ENV|VT_TEST_FAULTS|maybe_fail|InjectedFault|\.hold\b")
 
 PROBE = "import json; from verl_tasks import hooks; print(json.dumps(sorted(hooks._REGISTERED)))"
 
@@ -40,7 +40,7 @@ def test_hooks_load_only_in_processes_the_harness_starts(tmp_path, monkeypatch):
     assert _registered(plain) == []
     assert _registered({**plain, faults.FAULTS_ENV: str(tmp_path)}) == []  # the variable alone does nothing
     registered = _registered({**plain, **faults.harness_env(tmp_path, plain)})
-    assert registered == ["rollout_generate", "unit_start", "update_worker_step"]
+    assert registered == ["before_commit", "rollout_generate", "unit_start", "update_worker_step"]
 
 
 def test_process_hooks_fire_at_unit_start_and_inside_phases(tiny_config, tmp_path):

@@ -27,6 +27,14 @@ def fail_once(plan_dir: Path, experiment: str, phase: str, epoch: int, batch: in
     return flag.with_suffix(".failed")
 
 
+def fail_at_commit(plan_dir: Path, experiment: str, phase: str, epoch: int, batch: int | None = None) -> Path:
+    """Plan one failure of the unit's next attempt after its work, before its commit; returns the file it
+    renames to ``.failed`` when it fires."""
+    flag = Path(plan_dir) / f"{unit_name(experiment, phase, epoch, batch)}.fail-at-commit"
+    flag.write_text("fail at commit\n")
+    return flag.with_suffix(".failed")
+
+
 def kill_update_worker(plan_dir: Path, experiment: str, epoch: int, rank: int) -> Path:
     """SIGKILL update worker ``rank`` mid-step in the unit's next attempt; returns the ``.killed`` file it leaves."""
     flag = Path(plan_dir) / f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}"

@@ -7,6 +7,8 @@ plan is files in that folder, written by the test while those processes run:
 
 * ``<experiment>.<label>.fail-once``: the next attempt of that unit fails before doing any work;
   the file becomes ``.failed`` (an atomic rename, so exactly one attempt fails);
+* ``<experiment>.<label>.fail-at-commit``: the next attempt of that unit fails after all its work, just
+  before its commit (the file becomes ``.failed``);
 * ``<experiment>.<label>.hold``: the unit's rollout writes its PID to ``.held`` after loading the
   policy and waits there, before generating, until the test removes the hold file;
 * ``<experiment>.e<epoch>-update.kill-rank<r>``: update worker ``r`` (a Ray Train worker) kills
@@ -64,6 +66,13 @@ def fail_once(*, experiment: str, phase: str, epoch: int, batch: int | None = No
         raise InjectedFault(f"injected fault ({name}, pid {os.getpid()}); the next attempt runs normally")
 
 
+def fail_at_commit(*, experiment: str, phase: str, epoch: int, batch: int | None = None, **_: Any) -> None:
+    """``before_commit`` hook: consume the unit's ``.fail-at-commit`` file and raise, or do nothing."""
+    name = f"{unit_name(experiment, phase, epoch, batch)}.fail-at-commit"
+    if _consume(name, ".failed"):
+        raise InjectedFault(f"injected fault ({name}, pid {os.getpid()}) after the attempt's work, before its commit")
+
+
 def hold(*, experiment: str, epoch: int, batch: int, **_: Any) -> None:
     """``rollout_generate`` hook: wait in the middle of the batch while the unit's ``.hold`` file exists."""
     folder = _folder()
@@ -105,6 +114,7 @@ def install() -> None:
     from verl_tasks import hooks
 
     hooks.register("unit_start", fail_once)
+    hooks.register("before_commit", fail_at_commit)
     hooks.register("rollout_generate", hold)
     hooks.register("update_worker_step", kill_update_worker)
     hooks.register("update_worker_step", record_update_node)
