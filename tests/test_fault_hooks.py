@@ -12,7 +12,8 @@ from verl_tasks import hooks
 
 # Names of the hooks that product code used to read from a run's conf or the environment, and of
 # the test harness's variable: none may appear in the package.
-REMOVED = re.compile(r"fail_once|fail_at_commit|FAIL_ONCE|TEST_HOLD|HOLD_ENV|VT_TEST_FAULTS|maybe_fail|InjectedFault|\.hold\b")
+REMOVED = re.compile(r"fail_once|fail_at_commit|FAIL_ONCE|TEST_HOLD|HOLD_ENV|VT_TEST_FAULTS|maybe_fail|InjectedFault"
+                     r"|\.hold\b")
 
 PROBE = "import json; from verl_tasks import hooks; print(json.dumps(sorted(hooks._REGISTERED)))"
 

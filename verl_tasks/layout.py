@@ -20,6 +20,7 @@
     <experiment>/tombstones/                     markers of rolled-back units
     <experiment>/control/safe_mode.json          present while the experiment is halted
     <experiment>/control/generation.json         how many times the experiment left safe mode
+    <experiment>/control/lifts/<digest>.json     who lifted one halt (claimed once: one resumed event)
     <experiment>/control/failures/00003/g00002/  one durable record per failed try of epoch 3's batches
                                                  since it last left safe mode (generation 2)
 """
@@ -123,6 +124,10 @@ class Layout:
     def generation(self) -> str:
         """How many times the experiment left safe mode: the generation of the failure counts."""
         return f"{self.root}/control/generation.json"
+
+    def safe_mode_lift(self, halt: str) -> str:
+        """The claim of the one lift of a halt (``halt``: a digest of its safe-mode record)."""
+        return f"{self.root}/control/lifts/{halt}.json"
 
     def failures(self, epoch: int, generation: int) -> str:
         """The failed tries of an epoch's batches that count toward safe mode, since the experiment

@@ -175,6 +175,24 @@ def test_leaving_safe_mode_starts_a_fresh_count_without_the_event_log(tmp_path):
     assert read_safe_mode(store, layout) is not None
 
 
+def test_tasks_of_one_clear_lifting_safe_mode_at_once_record_one_lift(tmp_path):
+    """A run's Clear starts its failed tasks together: each finds the halt and lifts it; one resumed event."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verl_tasks.events import read_events
+
+    cfg, store, layout = _store_layout(_context(tmp_path, "rollout", 0))
+    _failed_batches_halt(tmp_path)
+    assert read_safe_mode(store, layout) is not None
+    with ThreadPoolExecutor(4) as pool:
+        lifted = list(pool.map(lambda n: leave_safe_mode(store, layout, by="clear", task=n), range(4)))
+    assert sum(r is not None for r in lifted) == 1, lifted
+    assert read_safe_mode(store, layout) is None
+    assert len([e for e in read_events(store, layout) if e["kind"] == "resumed"]) == 1
+    _failed_batches_halt(tmp_path, (0, 1, 2))  # a later halt is a new one: its lift is recorded too
+    assert read_safe_mode(store, layout) is not None and leave_safe_mode(store, layout, by="clear") is not None
+
+
 @pytest.mark.parametrize("try_number,max_tries,retries,cleared", [
     (1, 3, 3, False),   # first try of a new run
     (2, 3, 3, False),   # automatic retries

@@ -49,15 +49,17 @@ def record_update_nodes(plan_dir: Path, experiment: str, epoch: int) -> Callable
     return lambda rank: Path(plan_dir) / f"{name}.rank{rank}.node"
 
 
-def hold(plan_dir: Path, experiment: str, epoch: int, batch: int) -> Path:
-    """Hold the rollout batch in its middle; returns the ``.held`` file that will name its PID."""
+def hold(plan_dir: Path, experiment: str, epoch: int, batch: int, *, at_start: bool = False) -> Path:
+    """Hold the rollout batch in its middle (``at_start``: before its unit starts, inline backend only);
+    returns the file that will name its PID once it waits."""
     name = unit_name(experiment, "rollout", epoch, batch)
-    (Path(plan_dir) / f"{name}.hold").write_text("hold\n")
-    return Path(plan_dir) / f"{name}.held"
+    where = "-start" if at_start else ""
+    (Path(plan_dir) / f"{name}.hold{where}").write_text("hold\n")
+    return Path(plan_dir) / f"{name}.held{where}"
 
 
 def release(plan_dir: Path, experiment: str, epoch: int, batch: int) -> None:
     """Let a held rollout go on (or never stop)."""
     name = unit_name(experiment, "rollout", epoch, batch)
-    for suffix in (".hold", ".held"):
+    for suffix in (".hold", ".held", ".hold-start", ".held-start"):
         (Path(plan_dir) / f"{name}{suffix}").unlink(missing_ok=True)

@@ -11,6 +11,8 @@ plan is files in that folder, written by the test while those processes run:
   before its commit (the file becomes ``.failed``);
 * ``<experiment>.<label>.hold``: the unit's rollout writes its PID to ``.held`` after loading the
   policy and waits there, before generating, until the test removes the hold file;
+  ``.hold-start`` / ``.held-start`` likewise, before the unit starts (inline backend: before its
+  safe-mode check);
 * ``<experiment>.e<epoch>-update.kill-rank<r>``: update worker ``r`` (a Ray Train worker) kills
   itself with SIGKILL in the middle of its first optimizer step (forward done, gradients not yet
   reduced); the file becomes ``.killed``, so exactly one worker of one attempt dies;
@@ -73,19 +75,30 @@ def fail_at_commit(*, experiment: str, phase: str, epoch: int, batch: int | None
         raise InjectedFault(f"injected fault ({name}, pid {os.getpid()}) after the attempt's work, before its commit")
 
 
-def hold(*, experiment: str, epoch: int, batch: int, **_: Any) -> None:
-    """``rollout_generate`` hook: wait in the middle of the batch while the unit's ``.hold`` file exists."""
+def _wait_while_held(experiment: str, epoch: int, batch: int | None, where: str) -> None:
     folder = _folder()
-    if folder is None:
+    if folder is None or batch is None:
         return
     name = unit_name(experiment, "rollout", epoch, batch)
-    flag = folder / f"{name}.hold"
+    flag = folder / f"{name}.hold{where}"
     if not flag.exists():
         return
-    (folder / f"{name}.held").write_text(str(os.getpid()))
+    (folder / f"{name}.held{where}").write_text(str(os.getpid()))
     deadline = time.monotonic() + HOLD_LIMIT_S
     while flag.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def hold(*, experiment: str, epoch: int, batch: int, **_: Any) -> None:
+    """``rollout_generate`` hook: wait in the middle of the batch while the unit's ``.hold`` file exists."""
+    _wait_while_held(experiment, epoch, batch, "")
+
+
+def hold_at_start(*, experiment: str, phase: str, epoch: int, batch: int | None = None, **_: Any) -> None:
+    """``unit_start`` hook: wait before a rollout's unit starts (before its safe-mode check) while the unit's
+    ``.hold-start`` file exists."""
+    if phase == "rollout":
+        _wait_while_held(experiment, epoch, batch, "-start")
 
 
 def kill_update_worker(*, experiment: str, epoch: int, rank: int, **_: Any) -> None:
@@ -114,6 +127,7 @@ def install() -> None:
     from verl_tasks import hooks
 
     hooks.register("unit_start", fail_once)
+    hooks.register("unit_start", hold_at_start)
     hooks.register("before_commit", fail_at_commit)
     hooks.register("rollout_generate", hold)
     hooks.register("update_worker_step", kill_update_worker)

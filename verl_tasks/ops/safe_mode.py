@@ -140,14 +140,24 @@ def leave_safe_mode(store: ObjectStore, layout: Layout, by: str = "verl-tasks re
         by: who or what resumed (``verl-tasks resume``, ``clear``).
         details: small JSON values for the event (user, task, try number).
     Returns:
-        The record that was removed, or None when the experiment was not halted.
+        The record that was removed, or None when the experiment was not halted (or another caller's
+        lift of the same halt was first).
     """
-    previous = read_safe_mode(store, layout)
-    if previous is None:
+    try:
+        raw = store.get(layout.safe_mode)
+    except NotFound:
         return None
+    previous = json.loads(raw)
+    # The tasks of one Clear of a run start together and may all find the halt: the one that claims its lift
+    # records it; every one removes it (a crash after the claim leaves the next one to remove it).
+    halt = repr(previous.get("entered_at")).encode() if previous.get("entered_at") else raw  # kept by rewrites
+    claim = layout.safe_mode_lift(hashlib.sha256(halt).hexdigest()[:32])
+    won = store.put_if_absent(claim, json.dumps({"by": by, "time": time.time()}, default=str).encode())
     # Before the file goes: a crash in between leaves it halted with fresh counts, never resumed with stale ones.
     _next_generation(store, layout)
     store.delete(layout.safe_mode)
+    if not won:
+        return None
     record_event(store, layout, RESUMED, by=by, was=str(previous.get("summary", ""))[:2000], **details)
     log.info("experiment %s left safe mode (%s)", layout.experiment, by)
     return previous
