@@ -413,7 +413,8 @@ class TriggerConfig(Strict):
                     "DAG's own value. Keys without one get a default: keys that scale a run's work (group_size, "
                     "ppo_epochs, max_new_tokens, prompts_per_batch, evaluate.max_prompts) 4x the DAG's value or a "
                     "small floor, lr 100x, other coefficients 2-10x, ranges their natural limit "
-                    "(config.TRIGGER_BOUNDS); epochs never more than the DAG's")
+                    "(config.TRIGGER_BOUNDS); epochs never more than the DAG's; minibatch_size never "
+                    "less than a quarter of the DAG's")
 
     @field_validator("bounds", mode="before")
     @classmethod
@@ -564,6 +565,14 @@ class Bound:
 
     times: float | None
     floor: float
+    # For a key whose smaller values mean more work (a minibatch: more optimizer steps per epoch), the most
+    # the form may divide the DAG's own value by; None: no lower bound beyond the key's type.
+    divide: float | None = None
+
+    def lowest(self, dag_value: Any) -> float | None:
+        if self.divide is None or not isinstance(dag_value, (int, float)) or isinstance(dag_value, bool):
+            return None
+        return dag_value / self.divide
 
     def limit(self, dag_value: Any) -> float:
         if self.times is None or not isinstance(dag_value, (int, float)) or isinstance(dag_value, bool):
@@ -598,7 +607,7 @@ TRIGGER_BOUNDS: dict[str, Bound | None] = {
     "algorithm.lr": Bound(100, 0.0),  # swept over decades
     "algorithm.weight_decay": Bound(10, 0.1),
     "algorithm.betas": Bound(None, 0.9999),
-    "algorithm.minibatch_size": Bound(4, 64),
+    "algorithm.minibatch_size": Bound(4, 64, divide=4),  # a 4x smaller minibatch: 4x the optimizer steps
     "algorithm.grad_clip": Bound(10, 10.0),
     "algorithm.ppo_epochs": Bound(4, 4),
     "algorithm.lr_schedule": None,
@@ -645,6 +654,20 @@ def trigger_limits(dag_config: ExperimentConfig) -> dict[str, tuple[float, str]]
             limit, how = min(limit, dag_config.epochs), f"the {dag_config.epochs} epochs this DAG was built with"
         limits[key] = (limit, how)
     return limits
+
+
+def trigger_floors(dag_config: ExperimentConfig) -> dict[str, tuple[float, str]]:
+    """Numeric trigger-form key -> (its lower bound, how it was set), for the keys whose smaller values mean
+    more work (``Bound.divide``); ``dag_config`` as for :func:`trigger_limits`."""
+    floors: dict[str, tuple[float, str]] = {}
+    for key, bound in TRIGGER_BOUNDS.items():
+        if bound is None or bound.divide is None:
+            continue
+        own = value_at(dag_config, key)
+        lowest = bound.lowest(own)
+        if lowest is not None:
+            floors[key] = (lowest, f"the DAG's {own:g} / {bound.divide:g}")
+    return floors
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

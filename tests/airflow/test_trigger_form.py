@@ -135,6 +135,21 @@ def test_configure_refuses_a_value_over_its_bound(configure, tmp_path, params, k
     assert not (tmp_path / ".store").exists()  # refused before anything is written
 
 
+def test_configure_refuses_a_minibatch_that_multiplies_the_optimizer_steps(configure, tmp_path):
+    """A smaller minibatch means more optimizer steps over the same samples: at most 4x fewer samples each."""
+    from verl_tasks.config import load_config
+
+    own = load_config(TINY).algorithm.minibatch_size
+    with pytest.raises(ConfigError) as err:
+        configure.execute(_ctx(experiment="tiny-steps", overrides={"algorithm.minibatch_size": 1}))
+    message = str(err.value)
+    assert (f"algorithm.minibatch_size=1 is below its bound {own / 4:g} (the DAG's {own} / 4: a smaller value "
+            "multiplies the work of the run)") in message, message
+    assert f"A smaller algorithm.minibatch_size is set in {TINY} by whoever deploys the DAG." in message
+    assert not (tmp_path / ".store").exists()  # refused before anything is written
+    assert configure.execute(_ctx(experiment="tiny-steps", overrides={"algorithm.minibatch_size": own // 4}))
+
+
 def test_the_epoch_cap_applies_when_the_yaml_does_not_set_epochs(tmp_path, monkeypatch):
     """Without `epochs` in the YAML the DAG has the default's 8 epochs, and a run may ask for no more."""
     monkeypatch.setenv("VERL_TASKS_STORE_ROOT", str(tmp_path))

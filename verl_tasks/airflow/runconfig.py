@@ -19,6 +19,7 @@ from verl_tasks.config import (
     check_name,
     flatten,
     parse_config,
+    trigger_floors,
     trigger_limits,
     value_at,
 )
@@ -118,13 +119,15 @@ def check_bounds(cfg: ExperimentConfig, own: ExperimentConfig, keys: set[str], p
     """Refuse a run whose trigger form set ``keys`` beyond their bounds (``config.TRIGGER_BOUNDS``).
 
     Compares the run's parsed values (``epochs`` always, defaults included) against the bounds of the
-    DAG's own config ``own``. Raises ConfigError naming each key, its value, its bound and where the
+    DAG's own config ``own``: the upper ones, and the lower ones of keys whose smaller values mean more
+    work (``config.trigger_floors``). Raises ConfigError naming each key, its value, its bound and where the
     DAG's author sets it.
     """
-    limits = trigger_limits(own)
+    limits, floors = trigger_limits(own), trigger_floors(own)
     form_field = {dotted: name for name, (dotted, _) in HYPERPARAMETERS.items() if params.get(name) is not None}
     refused: list[str] = []
     over: list[str] = []
+    under: list[str] = []
     for key in sorted(keys | {"epochs"}):
         if key not in TRIGGER_BOUNDS:
             refused.append(f"{key}: no bound is declared for it (config.TRIGGER_BOUNDS)")
@@ -134,10 +137,14 @@ def check_bounds(cfg: ExperimentConfig, own: ExperimentConfig, keys: set[str], p
         value = value_at(cfg, key)
         limit, how = limits[key]
         values = list(value) if isinstance(value, (list, tuple)) else [value]
+        shown = f"params.{form_field[key]} ({key})" if key in form_field else key
         if any(isinstance(v, (int, float)) and v > limit for v in values):
-            shown = f"params.{form_field[key]} ({key})" if key in form_field else key
             refused.append(f"{shown}={value} exceeds its bound {limit:g} ({how})")
             over.append(key)
+        elif key in floors and any(isinstance(v, (int, float)) and v < floors[key][0] for v in values):
+            refused.append(f"{shown}={value} is below its bound {floors[key][0]:g} ({floors[key][1]}: a smaller "
+                           f"value multiplies the work of the run)")
+            under.append(key)
     if not refused:
         return
     where = [k for k in over if k != "epochs"]
@@ -145,6 +152,8 @@ def check_bounds(cfg: ExperimentConfig, own: ExperimentConfig, keys: set[str], p
            f"trigger: {{bounds: {{{where[0]}: N}}}}." if where else "")
     if "epochs" in over:
         fix += f" The DAG's epochs are set in {yaml_path} by whoever deploys it."
+    if under:
+        fix += f" A smaller {under[0]} is set in {yaml_path} by whoever deploys the DAG."
     raise ConfigError("the trigger form asks for more than this DAG allows: " + "; ".join(refused) + "." + fix)
 
 
