@@ -1,5 +1,6 @@
-"""A Ray job gets its config by reference: the entrypoint names the store, the experiment and
-the config hash; the job reads the pinned ``experiment.json`` and refuses a pin that changed.
+"""A Ray job gets its config by reference: the entrypoint names the store, the experiment, the config
+hash and the digest of the whole config; the job reads its submitter's config (``configs/<digest>.json``)
+and refuses to run when the experiment's pin changed.
 
 No Ray head here: ``tests/airflow/test_ray_backend.py`` checks the same on a real cluster."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.entry import key_digests, main, pinned_config, public_location
 from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget
 from verl_tasks.layout import Layout
-from verl_tasks.pinning import pin_experiment
+from verl_tasks.pinning import pin_experiment, run_config_body
 from verl_tasks.store import store_for
 
 TINY = str(DAGS / "experiments" / "tiny_arith.yaml")
@@ -43,6 +44,7 @@ def test_the_entrypoint_names_the_pin_and_nothing_of_the_config():
     assert args[args.index("--store") + 1] == "s3://vt-bucket/prefix"
     assert args[args.index("--experiment") + 1] == "ep-s3"
     assert args[args.index("--config-hash") + 1] == cfg.config_hash()
+    assert args[args.index("--config-digest") + 1] == run_config_body(cfg)[0]
     assert args[args.index("--endpoint-url") + 1] == "https://minio.internal:9000"
     for secret in (TRACKING, "mlflow.internal", KMS, "vt-kms", "hunter2", "ops:", "--config-b64"):
         assert secret not in entrypoint, secret
@@ -79,10 +81,11 @@ def test_a_changed_pin_is_refused(tmp_path, capsys):
                                "algorithm.lr": 0.5})
     pin_experiment(SimpleNamespace(config=other, store=store, layout=Layout("ep-changed")))
     with pytest.raises(ConfigMismatch) as refused:
-        pinned_config(cfg.storage.uri, "ep-changed", submitted_under, digests=key_digests(cfg.hashed_view()))
+        pinned_config(cfg.storage.uri, "ep-changed", submitted_under, run_config_body(cfg)[0],
+                      digests=key_digests(cfg.hashed_view()))
     assert refused.value.differing_keys == ["algorithm.lr"]
     with pytest.raises(ConfigMismatch) as unnamed:
-        pinned_config(cfg.storage.uri, "ep-changed", submitted_under)
+        pinned_config(cfg.storage.uri, "ep-changed", submitted_under, run_config_body(cfg)[0])
     assert unnamed.value.differing_keys == ["config_hash"]
     args = shlex.split(RayJobBackend(RayTarget("http://127.0.0.1:8265"), pool=False).entrypoint(
         cfg, UnitSpec("ep-changed", "plan", 0)))
@@ -94,25 +97,33 @@ def test_a_changed_pin_is_refused(tmp_path, capsys):
     assert not store.exists(Layout("ep-changed").unit("plan", 0, None) + "/_SUCCESS")
 
 
-def test_a_missing_or_altered_pin_is_refused(tmp_path):
+def test_a_missing_pin_or_a_missing_or_altered_run_config_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not pinned"):
-        pinned_config(f"file://{tmp_path}/store", "ep-none", "0" * 64)
+        pinned_config(f"file://{tmp_path}/store", "ep-none", "0" * 64, "0" * 64)
     cfg, store = _pinned(tmp_path, "ep-altered")
-    path = tmp_path / "store" / Layout("ep-altered").experiment_json
-    pin = json.loads(path.read_text())
-    pin["config"]["algorithm"]["lr"] = 0.9  # the recorded hash no longer describes the config
-    path.write_text(json.dumps(pin))
-    with pytest.raises(ConfigError, match="altered"):
-        pinned_config(cfg.storage.uri, "ep-altered", cfg.config_hash())
+    digest = run_config_body(cfg)[0]
+    other = load_config(TINY, {"experiment": "ep-altered", "storage.uri": f"file://{tmp_path}/store",
+                               "torch_threads": 1})
+    with pytest.raises(ConfigError, match="does not exist: the run's config is published before"):
+        pinned_config(cfg.storage.uri, "ep-altered", cfg.config_hash(), run_config_body(other)[0])
+    path = tmp_path / "store" / Layout("ep-altered").run_config(digest)
+    body = json.loads(path.read_text())
+    body["algorithm"]["lr"] = 0.9
+    path.write_text(json.dumps(body))
+    with pytest.raises(ConfigError, match="does not hash to its name: it was altered"):
+        pinned_config(cfg.storage.uri, "ep-altered", cfg.config_hash(), digest)
 
 
-def test_a_job_sees_the_newest_run_s_settings_outside_the_hash(tmp_path):
-    """Resources, timeouts and trackers are not hashed: a later run that changes them re-writes the pin's
-    config (same hash), so a job reading its config by reference runs with them, not the first run's."""
+def test_each_job_runs_with_its_own_run_s_settings_outside_the_hash(tmp_path):
+    """Resources, timeouts and trackers are not hashed: two runs of one experiment that set them differently
+    share the pin (same hash), and each one's jobs run with that run's settings, whichever pinned last."""
     first, store = _pinned(tmp_path, "ep-unhashed")
     later, _ = _pinned(tmp_path, "ep-unhashed", **{"fault_tolerance.timeout_s": {"rollout": 123},
                                                    "tracking.tensorboard": str(tmp_path / "tb")})
     assert later.config_hash() == first.config_hash()
-    got = pinned_config(store.uri, "ep-unhashed", later.config_hash())
+    got = pinned_config(store.uri, "ep-unhashed", later.config_hash(), run_config_body(later)[0])
     assert got.fault_tolerance.timeout_s.get("rollout") == 123
     assert got.tracking.tensorboard == str(tmp_path / "tb")
+    earlier = pinned_config(store.uri, "ep-unhashed", first.config_hash(), run_config_body(first)[0])
+    assert earlier.fault_tolerance.timeout_s.get("rollout") is None and earlier.tracking.tensorboard is None
+    assert earlier.model_dump(mode="json") == first.model_dump(mode="json")

@@ -18,6 +18,7 @@
     <experiment>/base/evaluate/                  accuracy of policy version 0
     <experiment>/events/                         one JSON object per event
     <experiment>/tombstones/                     markers of rolled-back units
+    <experiment>/configs/<sha256>.json           each run's whole config, by content (written once)
     <experiment>/control/safe_mode.json          present while the experiment is halted
     <experiment>/control/generation.json         how many times the experiment left safe mode
     <experiment>/control/lifts/<digest>.json     who lifted one halt (claimed once: one resumed event)
@@ -124,6 +125,10 @@ class Layout:
     def generation(self) -> str:
         """How many times the experiment left safe mode: the generation of the failure counts."""
         return f"{self.root}/control/generation.json"
+
+    def run_config(self, digest: str) -> str:
+        """One run's whole config (hashed and unhashed settings), named by its sha256: a Ray job reads its own."""
+        return f"{self.root}/configs/{digest}.json"
 
     def safe_mode_lift(self, halt: str) -> str:
         """The claim of the one lift of a halt (``halt``: a digest of its safe-mode record)."""

@@ -8,13 +8,14 @@ recomputed); after the first rollout the pin is final. Torch-free.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 from typing import Any
 
 from verl_tasks.config import ExperimentConfig, differing_keys
-from verl_tasks.errors import ConfigMismatch, StoreError
+from verl_tasks.errors import ConfigError, ConfigMismatch, StoreError
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
 from verl_tasks.ownership import OWNER, DagAccess, check_write, claim_fields
@@ -87,6 +88,39 @@ def _set_prelude_aside(store: ObjectStore, layout: Layout, keys: list[str], pare
     return moved
 
 
+def run_config_body(config: ExperimentConfig) -> tuple[str, bytes]:
+    """(sha256, canonical JSON) of the whole config: what ``configs/<sha256>.json`` holds."""
+    body = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(body).hexdigest(), body
+
+
+def publish_run_config(store: ObjectStore, layout: Layout, config: ExperimentConfig) -> str:
+    """Write the run's whole config under its digest, once, and return the digest.
+
+    A Ray job reads the settings outside the config hash (resources, timeouts, trackers) from there by the
+    digest its submitter sends, so two runs of one experiment with different such settings, at once, each
+    run with their own. Content-addressed: a file of that name always holds those bytes.
+    """
+    digest, body = run_config_body(config)
+    key = layout.run_config(digest)
+    if not store.exists(key):
+        store.put_if_absent(key, body)
+    return digest
+
+
+def read_run_config(store: ObjectStore, layout: Layout, digest: str) -> dict[str, Any]:
+    """The config published under ``digest``. Raises ConfigError when it is missing or not those bytes."""
+    where = store.url(layout.run_config(digest))
+    try:
+        body = store.get(layout.run_config(digest))
+    except NotFound:
+        raise ConfigError(f"{where} does not exist: the run's config is published before its jobs are submitted "
+                          f"(verl_tasks.pinning.publish_run_config); submit the unit again") from None
+    if hashlib.sha256(body).hexdigest() != digest:
+        raise ConfigError(f"{where} does not hash to its name: it was altered; nothing was computed")
+    return json.loads(body)
+
+
 def pin_experiment(ctx: Any, parent: dict[str, Any] | None = None, dag: DagAccess | None = None) -> dict[str, Any]:
     """Write ``experiment.json`` once; afterwards refuse a config whose hashed keys differ.
 
@@ -107,6 +141,7 @@ def pin_experiment(ctx: Any, parent: dict[str, Any] | None = None, dag: DagAcces
     for _ in range(_PIN_TRIES):
         pinned = _pin_once(ctx.config, store, layout, parent, dag)
         if pinned is not None:
+            publish_run_config(store, layout, ctx.config)
             return pinned
     raise StoreError(f"{store.url(layout.experiment_json)} changed under each of {_PIN_TRIES} tries to pin it "
                      f"(other runs of the experiment pinning or deleting it at once?); nothing was re-pinned: "
@@ -126,8 +161,8 @@ def _pin_once(config: ExperimentConfig, store: ObjectStore, layout: Layout, pare
     if existing["config_hash"] == body["config_hash"]:
         if PENDING in existing:  # a re-pin stopped between its pin and its set-aside: finish it first
             return _finish_set_aside(store, layout, existing, version)
-        # The settings outside the hash (resources, timeouts, trackers, ...) are the newest run's: a Ray job
-        # reads its config from this pin (by reference, verl_tasks.execution.entry), so it must see them.
+        # The settings outside the hash (resources, timeouts, trackers, ...) recorded are the newest run's; a
+        # Ray job reads its own run's from configs/<sha256>.json (publish_run_config).
         updated = {**existing, "config": body["config"]}
         if claimant is not None:
             updated.update(claim_fields(existing, claimant, time.time()))

@@ -31,8 +31,8 @@ def _backend(ray_head, **kwargs) -> RayJobBackend:
 
 
 def _pinned(cfg):
-    """Pin ``cfg`` in its store, as the configure task does before any unit is submitted: a job reads its
-    config from the pin (``entry.pinned_config``)."""
+    """Pin ``cfg`` in its store, as the configure task does before any unit is submitted; pinning publishes the
+    run's config, which a job reads by its digest (``entry.pinned_config``)."""
     from verl_tasks.layout import Layout
     from verl_tasks.pinning import pin_experiment
     from verl_tasks.store import store_for
@@ -111,8 +111,8 @@ def test_a_job_that_reserved_no_gpu_sees_none(ray_head, tmp_path):
 
 def test_a_job_gets_its_config_by_reference(ray_head, tmp_path):
     """The Jobs API shows a job's entrypoint, runtime_env and metadata to every token holder: they name the
-    store, the experiment and the config hash, never the tracking URI, the KMS key id or the config itself;
-    the job reads the pinned experiment.json and still runs its unit."""
+    store, the experiment and the config's digests, never the tracking URI, the KMS key id or the config
+    itself; the job reads its run's config from the store and still runs its unit."""
     tracking, kms = "http://mlflow.vt-internal.example:5000", "arn:aws:kms:eu-west-1:1:key/vt-kms-never-on-ray"
     backend = _backend(ray_head, pool=False)
     cfg = _pinned(load_config(TINY, {"experiment": "rb-ref", "storage.uri": f"file://{tmp_path}/store",

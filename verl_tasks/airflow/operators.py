@@ -49,6 +49,7 @@ from verl_tasks.execution.inline import record_summary
 from verl_tasks.execution.outcome import describe, error_from_result, is_deterministic
 from verl_tasks.layout import Layout
 from verl_tasks.ownership import DagAccess, check_may_write
+from verl_tasks.pinning import publish_run_config
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (the driver imports Ray)
     from verl_tasks.execution.driver import Running
@@ -294,6 +295,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             return self._finish(context, cfg, store, record)
         if self.backend == "ray-driver":
             return self._run_as_driver(context, cfg, store, spec, unit, timing)
+        publish_run_config(store, Layout(cfg.experiment), cfg)  # the job reads this run's settings by digest
         handle = self.ray.submit(cfg, spec)
         if handle.status == "SUCCEEDED":
             record = read_marker(store, unit)

@@ -1,12 +1,13 @@
 """The Ray job entrypoint: run one phase unit and print one JSON line.
 
     python -m verl_tasks.execution.entry --store s3://bucket/prefix --experiment NAME --config-hash SHA256 \
-        --phase rollout --epoch 3 --batch 7
+        --config-digest SHA256 --phase rollout --epoch 3 --batch 7
 
-The config travels by reference: the job reads the experiment's pinned ``experiment.json`` from the
-store and runs only when the pin's config hash is the one the submitter ran under. The entrypoint
-(shown by the Jobs API to every Ray token holder) carries the store's location (no credentials,
-no encryption key id), the experiment name and the hash; nothing else of the config.
+The config travels by reference: the job reads its submitter's whole config from the store
+(``configs/<config-digest>.json``, written by content before the submission) and runs only when the
+experiment's pin still has the config hash the submitter ran under. The entrypoint (shown by the Jobs API
+to every Ray token holder) carries the store's location (no credentials, no encryption key id), the
+experiment name and the two digests; nothing else of the config.
 
 Exit 0 after the unit is committed (or was already); exit 1 otherwise, the last
 line then naming the unit and the error's class, module and message (see
@@ -72,9 +73,10 @@ def _differing(pinned_view: dict[str, Any], digests: str | None) -> list[str]:
     return keys if digests and keys else ["config_hash"]
 
 
-def pinned_config(store_uri: str, experiment: str, config_hash: str, *, endpoint_url: str | None = None,
-                  region: str | None = None, digests: str | None = None) -> ExperimentConfig:
-    """The experiment's pinned config, read from its store, if its hash is ``config_hash``.
+def pinned_config(store_uri: str, experiment: str, config_hash: str, config_digest: str, *,
+                  endpoint_url: str | None = None, region: str | None = None,
+                  digests: str | None = None) -> ExperimentConfig:
+    """The submitter's config (``configs/<config_digest>.json``), if the experiment's pin has its hash ``config_hash``.
 
     The store is opened for reading only with its location (reading an SSE-S3 or SSE-KMS object needs no
     key id; credentials come from the node's own chain). The returned config keeps the pin's encryption
@@ -84,12 +86,13 @@ def pinned_config(store_uri: str, experiment: str, config_hash: str, *, endpoint
         ConfigMismatch: the pin's hash is not ``config_hash`` (the YAML changed after the experiment was
             pinned, or it was re-pinned since the job was submitted); names the differing keys
             (from ``digests``, see :func:`key_digests`).
-        ConfigError: there is no pin, or its recorded hash does not match its own config (a class of
-            ``verl_tasks.errors``: the Airflow side rebuilds it and does not retry).
+        ConfigError: there is no pin, the run's config was not published or was altered, or it is not the
+            config of ``experiment`` with hash ``config_hash`` (a class of ``verl_tasks.errors``: the
+            Airflow side rebuilds it and does not retry).
         StoreError: the pin is damaged.
     """
     from verl_tasks.layout import Layout
-    from verl_tasks.pinning import read_pin
+    from verl_tasks.pinning import read_pin, read_run_config
     from verl_tasks.store import open_store
 
     check_name(experiment)
@@ -107,16 +110,14 @@ def pinned_config(store_uri: str, experiment: str, config_hash: str, *, endpoint
                   config_hash[:12])
         raise ConfigMismatch(experiment, _differing(pin.get("hashed_config") or {}, digests),
                              store.url(layout.root))
-    if not isinstance(pin.get("config"), dict):
-        raise ConfigError(f"{where} records no config; pin the experiment again (run configure)")
-    dumped = dict(pin["config"])
+    dumped = read_run_config(store, layout, config_digest)
     dumped["storage"] = {**dumped.get("storage", {}), "uri": store_uri, "endpoint_url": endpoint_url,
                          "region": region}
     config = parse_config(dumped)
     if config.experiment != experiment or config.config_hash() != config_hash:
-        raise ConfigError(f"{where} records config hash {config_hash[:12]} but its config is experiment "
-                         f"{config.experiment!r} with hash {config.config_hash()[:12]}: the pin was altered; "
-                         f"nothing was computed")
+        raise ConfigError(f"{store.url(layout.run_config(config_digest))} is experiment {config.experiment!r} "
+                         f"with config hash {config.config_hash()[:12]}, not {experiment!r} with "
+                         f"{config_hash[:12]}: nothing was computed")
     return config
 
 
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--region", default=None)
     parser.add_argument("--experiment", required=True)
     parser.add_argument("--config-hash", required=True, help="the pinned config's hash the job must run under")
+    parser.add_argument("--config-digest", required=True,
+                        help="the sha256 of the submitter's whole config, published in the store")
     parser.add_argument("--key-digests", default=None, help="key_digests() of the submitter's config")
     parser.add_argument("--phase", required=True, choices=PHASE_NAMES)
     parser.add_argument("--epoch", required=True, type=int)
@@ -144,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     unit = UnitSpec(args.experiment, args.phase, args.epoch, args.batch).label
     try:
         unit = Layout(check_name(args.experiment)).unit(args.phase, args.epoch, args.batch)
-        config = pinned_config(args.store, args.experiment, args.config_hash, endpoint_url=args.endpoint_url,
-                               region=args.region, digests=args.key_digests)
+        config = pinned_config(args.store, args.experiment, args.config_hash, args.config_digest,
+                               endpoint_url=args.endpoint_url, region=args.region, digests=args.key_digests)
         spec = UnitSpec(config.experiment, args.phase, args.epoch, args.batch)
         unit = Layout(config.experiment).unit(args.phase, args.epoch, args.batch)
         if args.pool:

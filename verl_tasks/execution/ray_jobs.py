@@ -21,8 +21,9 @@ A transient error of the dashboard (connection refused or reset, timeout, HTTP
 No secret goes into a job: its ``runtime_env``, entrypoint and metadata are shown
 by the Jobs API and the dashboard to anyone holding the Ray token. Jobs reach
 storage through the Ray nodes' own credential chain, and the config by reference:
-the entrypoint names the store, the experiment and the config hash, and the job
-reads the pinned ``experiment.json`` (no tracking URI, key id or config on the Ray side).
+the entrypoint names the store, the experiment, the config hash and the digest of
+the run's whole config, which the job reads from ``configs/<digest>.json`` in the
+store (no tracking URI, key id or config on the Ray side).
 """
 from __future__ import annotations
 
@@ -281,18 +282,21 @@ class RayJobBackend:
 
     # -- submitting --------------------------------------------------------------
     def entrypoint(self, config: ExperimentConfig, spec: UnitSpec) -> str:
-        """The job's command: where the pinned config is and which hash it must have, never the config.
+        """The job's command: where the run's config is and which hashes it must have, never the config.
 
         The Jobs API shows the entrypoint to every Ray token holder, so it names the store (without any
-        ``user:password@``), the experiment and the config hash; the tracking URI, the encryption key id
-        and every other setting are read by the job from the pinned ``experiment.json`` (``entry.pinned_config``).
+        ``user:password@``), the experiment, the config hash and the digest of the whole config; the
+        tracking URI, the encryption key id and every other setting are read by the job from
+        ``configs/<digest>.json``, which the submitter published (``entry.pinned_config``).
         """
         from verl_tasks.execution.entry import key_digests, public_location
+        from verl_tasks.pinning import run_config_body
 
         storage = config.storage
         parts = [self.python, "-m", "verl_tasks.execution.entry",
                  "--store", public_location(storage.uri) or storage.uri,
                  "--experiment", config.experiment, "--config-hash", config.config_hash(),
+                 "--config-digest", run_config_body(config)[0],
                  "--key-digests", key_digests(config.hashed_view()),
                  "--phase", spec.phase, "--epoch", str(spec.epoch)]
         if storage.endpoint_url:
@@ -316,8 +320,8 @@ class RayJobBackend:
         """Attach to the unit's live job, return its succeeded job, or submit the next attempt.
 
         Args:
-            config: the resolved experiment config; the job reads it from the experiment's pin in the
-                store (the entrypoint names only the store, the experiment and the config hash).
+            config: the resolved experiment config, published in its store (``pinning.publish_run_config``:
+                ``pin_experiment`` does it); the job reads it there by its digest.
             spec: the unit.
             env: extra plain settings for the job's environment (never credentials)
             resubmit_succeeded: submit a new attempt even when the newest job succeeded
