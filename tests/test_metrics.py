@@ -90,6 +90,14 @@ def test_metrics_follow_the_store_through_a_failed_batch_and_a_fallback(tiny_con
     assert m["verl_tasks_store_commit_seconds_count"][(("phase", "plan"),)] == 1
     assert 0 <= m["verl_tasks_state_log_lag_seconds"][()] < 120
     assert m["verl_tasks_current_epoch"][()] == 0 and m["verl_tasks_safe_mode"][()] == 0
+    # A try safe mode refused (Airflow's failure callback records it so): neither a retry nor a failed unit.
+    from verl_tasks.events import record_event
+
+    record_event(ctx.store, Layout(cfg.experiment), "task_failed", epoch=0, phase="score", batch=0, final=True,
+                 refused="safe_mode", unit=Layout(cfg.experiment).score(0, 0), error="AirflowFailException: ...")
+    m = metrics_of(cfg)
+    assert m["verl_tasks_retries_total"][(("event", "task_failed"), ("phase", "score"))] == 0
+    assert m["verl_tasks_units"][(("phase", "score"), ("state", "failed"))] == 0
 
     fault_hooks.clear()
     train(ctx, 1)  # the retry commits the batch; the epoch finishes

@@ -19,7 +19,7 @@ from verl_tasks.execution import UnitSpec
 from verl_tasks.execution.entry import key_digests, main, pinned_config, public_location
 from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget
 from verl_tasks.layout import Layout
-from verl_tasks.pinning import pin_experiment, run_config_body
+from verl_tasks.pinning import pin_experiment, publish_run_config, run_config_body
 from verl_tasks.store import store_for
 
 TINY = str(DAGS / "experiments" / "tiny_arith.yaml")
@@ -105,6 +105,13 @@ def test_a_missing_pin_or_a_missing_or_altered_run_config_is_refused(tmp_path):
     other = load_config(TINY, {"experiment": "ep-altered", "storage.uri": f"file://{tmp_path}/store",
                                "torch_threads": 1})
     with pytest.raises(ConfigError, match="does not exist: the run's config is published before"):
+        pinned_config(cfg.storage.uri, "ep-altered", cfg.config_hash(), run_config_body(other)[0])
+    with pytest.raises(ConfigError, match="is not a config digest"):
+        pinned_config(cfg.storage.uri, "ep-altered", cfg.config_hash(), "../experiment")
+    # A published config, untouched, of another hash: not the one the pin and the job name.
+    assert other.config_hash() != cfg.config_hash()
+    publish_run_config(store, Layout("ep-altered"), other)
+    with pytest.raises(ConfigError, match=f"with config hash {other.config_hash()[:12]}, not 'ep-altered' with"):
         pinned_config(cfg.storage.uri, "ep-altered", cfg.config_hash(), run_config_body(other)[0])
     path = tmp_path / "store" / Layout("ep-altered").run_config(digest)
     body = json.loads(path.read_text())

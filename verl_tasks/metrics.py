@@ -229,6 +229,8 @@ def _faults(layout: Layout, bodies: list[dict[str, Any]], out: ExperimentMetrics
     for body in bodies:
         kind, unit = body.get("kind"), str(body.get("unit", ""))
         phase = str(body.get("phase") or phase_of(layout, unit))
+        if kind in RETRY_EVENTS and body.get("refused"):
+            continue  # safe mode refused the try: the unit did not run, nor fail
         if kind in RETRY_EVENTS:
             out.retries[(phase, kind)] += 1
             failed_units.add(unit)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -99,7 +100,8 @@ def publish_run_config(store: ObjectStore, layout: Layout, config: ExperimentCon
 
     A Ray job reads the settings outside the config hash (resources, timeouts, trackers) from there by the
     digest its submitter sends, so two runs of one experiment with different such settings, at once, each
-    run with their own. Content-addressed: a file of that name always holds those bytes.
+    submit their jobs with their own (a task that finds another run's live job of its unit attaches to that
+    job, and its settings). Content-addressed: a file of that name always holds those bytes.
     """
     digest, body = run_config_body(config)
     key = layout.run_config(digest)
@@ -110,6 +112,8 @@ def publish_run_config(store: ObjectStore, layout: Layout, config: ExperimentCon
 
 def read_run_config(store: ObjectStore, layout: Layout, digest: str) -> dict[str, Any]:
     """The config published under ``digest``. Raises ConfigError when it is missing or not those bytes."""
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise ConfigError(f"{digest!r} is not a config digest (64 hex digits)")
     where = store.url(layout.run_config(digest))
     try:
         body = store.get(layout.run_config(digest))
@@ -234,4 +238,4 @@ def check_pinned(config: ExperimentConfig, store: ObjectStore) -> None:
                              store.url(layout.root))
 
 
-__all__ = ["pin_experiment", "check_pinned", "read_pin"]
+__all__ = ["pin_experiment", "check_pinned", "read_pin", "publish_run_config", "read_run_config", "run_config_body"]

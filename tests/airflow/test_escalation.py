@@ -177,6 +177,7 @@ def test_leaving_safe_mode_starts_a_fresh_count_without_the_event_log(tmp_path):
 
 def test_tasks_of_one_clear_lifting_safe_mode_at_once_record_one_lift(tmp_path):
     """A run's Clear starts its failed tasks together: each finds the halt and lifts it; one resumed event."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from verl_tasks.events import read_events
@@ -184,9 +185,23 @@ def test_tasks_of_one_clear_lifting_safe_mode_at_once_record_one_lift(tmp_path):
     cfg, store, layout = _store_layout(_context(tmp_path, "rollout", 0))
     _failed_batches_halt(tmp_path)
     assert read_safe_mode(store, layout) is not None
-    with ThreadPoolExecutor(4) as pool:
-        lifted = list(pool.map(lambda n: leave_safe_mode(store, layout, by="clear", task=n), range(4)))
-    assert sum(r is not None for r in lifted) == 1, lifted
+    lifts, all_read, seen = 4, threading.Barrier(4, timeout=60), threading.local()
+
+    class EveryoneReadsFirst:  # each lift has read the halt before any of them goes on
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def get(self, key):
+            body = store.get(key)
+            if key == layout.safe_mode and not getattr(seen, "done", False):
+                seen.done = True
+                all_read.wait()
+            return body
+
+    with ThreadPoolExecutor(lifts) as pool:
+        lifted = list(pool.map(lambda n: leave_safe_mode(EveryoneReadsFirst(), layout, by="clear", task=n),
+                               range(lifts)))
+    assert all(r is not None for r in lifted), lifted  # each removed it, or saw it removed
     assert read_safe_mode(store, layout) is None
     assert len([e for e in read_events(store, layout) if e["kind"] == "resumed"]) == 1
     _failed_batches_halt(tmp_path, (0, 1, 2))  # a later halt is a new one: its lift is recorded too

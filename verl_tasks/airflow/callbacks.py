@@ -59,6 +59,7 @@ def _unit_info(context: dict[str, Any]) -> tuple[Any, Any, Any, str, dict[str, A
         "map_index": getattr(ti, "map_index", -1),
         "try_number": getattr(ti, "try_number", None),
         "run_id": getattr(ti, "run_id", None),
+        "dag_id": getattr(ti, "dag_id", None),
         "error": f"{type(context.get('exception')).__name__}: {context.get('exception')}"[:1500],
     }
     return cfg, store, layout, unit, info

@@ -286,22 +286,20 @@ def _map_index(value: Any) -> int | None:
     return value if isinstance(value, int) and value >= 0 else None
 
 
-def refused_tasks(events: list[dict[str, Any]], stats: dict[str, UnitCell], since: Any) -> list[dict[str, Any]]:
-    """The task instances safe mode refused since ``since`` (it was entered then) whose units have not run
-    since: each ``{unit, task_id, map_index, run_id}``, once per unit, oldest first."""
-    after = _number(since)
+def refused_tasks(events: list[dict[str, Any]], stats: dict[str, UnitCell]) -> list[dict[str, Any]]:
+    """The task instances safe mode refused whose units have not run since (a Clear must still rerun them):
+    each ``{unit, task_id, map_index, run_id, dag_id}``, once per unit, oldest first."""
     found: dict[str, dict[str, Any]] = {}
     for event in events:
         unit = event.get("unit")
         if event.get("kind") != TASK_FAILED or not event.get("refused") or not isinstance(unit, str):
             continue
-        when = _number(event.get("time"))
-        if after is not None and when is not None and when < after:
-            continue
         cell = stats.get(unit)
         if cell is not None and cell.refused:
             found[unit] = {"unit": unit, "task_id": str(event.get("task_id") or ""),
-                           "map_index": _map_index(event.get("map_index")), "run_id": event.get("run_id")}
+                           "map_index": _map_index(event.get("map_index")),
+                           "run_id": str(event["run_id"]) if event.get("run_id") else None,
+                           "dag_id": str(event["dag_id"]) if event.get("dag_id") else None}
     return list(found.values())
 
 
@@ -313,7 +311,8 @@ def safe_mode_view(record: dict[str, Any] | None,
     try_number, error_class, message, detail), ``dag_id`` and ``paused`` (the Clear to do, and whether to
     unpause first), ``commands`` (each runnable as printed), ``entered`` (when). ``refused``
     (:func:`refused_tasks`): tasks that failed only because safe mode refused them; with any, the Clear
-    to do is the run's Clear of its failed tasks (``run_id``), which reruns them with the failed units."""
+    to do is the Clear of the failed tasks of each run in ``runs`` (``{dag_id, run_id}``), which reruns them
+    with the failed units."""
     if not isinstance(record, dict):
         return None
     units: list[dict[str, Any]] = []
@@ -326,6 +325,7 @@ def safe_mode_view(record: dict[str, Any] | None,
             "task_id": str(item["task_id"]) if item.get("task_id") else None,
             "map_index": _map_index(item.get("map_index")),
             "run_id": str(item["run_id"]) if item.get("run_id") else None,
+            "dag_id": str(item.get("dag_id") or record.get("dag_id") or "") or None,
             "try_number": item.get("try_number"),
             "error_class": cls, "message": message, "detail": detail,
             "detail_lines": detail.count("\n") + 1 if detail else 0,
@@ -335,12 +335,16 @@ def safe_mode_view(record: dict[str, Any] | None,
     commands = record.get("commands")
     if not isinstance(commands, dict):
         commands = {}
-    runs = [u["run_id"] for u in units if u["run_id"]] + [str(t["run_id"]) for t in refused if t.get("run_id")]
+    failed = {u["unit"] for u in units}
+    refused = [t for t in refused if t["unit"] not in failed]  # a failed unit refused on a later try is failed
+    refused = [{**t, "dag_id": t.get("dag_id") or record.get("dag_id")} for t in refused]
+    runs = [{"dag_id": dag, "run_id": run} for dag, run in dict.fromkeys(
+        (t["dag_id"], t["run_id"]) for t in units + refused if t.get("run_id") and t.get("dag_id"))]
     return {
         "what": reason + (f" (failed: {', '.join(unnamed)})" if unnamed else ""),
         "units": units,
-        "refused": list(refused),
-        "run_id": runs[0] if runs else None,
+        "refused": refused,
+        "runs": runs,
         "dag_id": str(record["dag_id"]) if record.get("dag_id") else None,
         "paused": bool(record.get("dag_paused")),
         "commands": {str(k): str(v) for k, v in commands.items() if v},
@@ -486,8 +490,7 @@ def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | N
     return {
         "status": st,
         "grid": _grid(cfg, store, st["epochs"], stats, unit_href),
-        "safe_mode": safe_mode_view(st["safe_mode"], refused_tasks(events, stats, (st["safe_mode"] or {})
-                                                                  .get("entered_at")) if st["safe_mode"] else []),
+        "safe_mode": safe_mode_view(st["safe_mode"], refused_tasks(events, stats) if st["safe_mode"] else []),
         "phases": PHASE_NAMES,
         "batched": BATCHED,
         "snapshots": _snapshots(layout, st["epochs"], events, st["quarantined"]),

@@ -333,6 +333,7 @@ class VerlPhaseOperator(_RunConfigMixin, BaseOperator):
             unit = Layout(cfg.experiment).unit(self.phase, self.epoch, self.batch)
             self.log.info("Ray job %s, which this try attached to, was stopped (its try was cleared or marked); "
                           "submitting the next attempt of %s", job_id, unit)
+            publish_run_config(self.store(cfg, access), Layout(cfg.experiment), cfg)
             return self._defer_on(self.ray.submit(cfg, self._spec(cfg)), unit)
         if event.get("status") != "SUCCEEDED":
             raise_job_error(job_id, event)

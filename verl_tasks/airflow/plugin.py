@@ -184,8 +184,8 @@ def render_section(source: Source, experiment: str, epoch: int | None = None, ph
                    per_step: bool = False) -> dict[str, Any] | str:
     """One experiment's view for the template, or a one-line notice when its store cannot be read.
 
-    Each unit cell links to the unit's page; the safe-mode notice links each failed unit's page and its
-    task in Airflow's UI, where a person clears it."""
+    Each unit cell links to the unit's page; the safe-mode notice links each failed or refused unit's page,
+    its task instance in Airflow's UI and the run whose Clear it asks for."""
     from verl_tasks.airflow.dashboard import experiment_view
     from verl_tasks.airflow.links import run_url, task_instance_url, task_url, unit_page
 
@@ -198,9 +198,10 @@ def render_section(source: Source, experiment: str, epoch: int | None = None, ph
         return f"{source.dag_id} / {experiment}: {type(err).__name__}: {err}"
     halted = view["safe_mode"]
     if halted:
-        dag_id = halted["dag_id"] or source.dag_id
-        halted["run_url"] = run_url(dag_id, halted["run_id"]) if halted["run_id"] else None
+        for run in halted["runs"]:
+            run["url"] = run_url(run["dag_id"], run["run_id"])
         for unit in halted["units"] + halted["refused"]:
+            dag_id = unit["dag_id"] or source.dag_id
             unit["unit_url"] = unit_page(source.dag_id, unit["unit"])
             unit["task_url"] = None if not unit["task_id"] else (
                 task_instance_url(dag_id, unit["run_id"], unit["task_id"], unit["map_index"]) if unit["run_id"]

@@ -79,7 +79,7 @@ def pinned_config(store_uri: str, experiment: str, config_hash: str, config_dige
     """The submitter's config (``configs/<config_digest>.json``), if the experiment's pin has its hash ``config_hash``.
 
     The store is opened for reading only with its location (reading an SSE-S3 or SSE-KMS object needs no
-    key id; credentials come from the node's own chain). The returned config keeps the pin's encryption
+    key id; credentials come from the node's own chain). The returned config keeps the run config's encryption
     settings and names the store it was read from, so the unit commits where the submitter expects it.
 
     Raises:

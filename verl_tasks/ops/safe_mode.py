@@ -140,8 +140,8 @@ def leave_safe_mode(store: ObjectStore, layout: Layout, by: str = "verl-tasks re
         by: who or what resumed (``verl-tasks resume``, ``clear``).
         details: small JSON values for the event (user, task, try number).
     Returns:
-        The record that was removed, or None when the experiment was not halted (or another caller's
-        lift of the same halt was first).
+        The record that was removed (by this call or by a concurrent lift of the same halt, which then
+        records the event), or None when the experiment was not halted.
     """
     try:
         raw = store.get(layout.safe_mode)
@@ -153,14 +153,23 @@ def leave_safe_mode(store: ObjectStore, layout: Layout, by: str = "verl-tasks re
     halt = repr(previous.get("entered_at")).encode() if previous.get("entered_at") else raw  # kept by rewrites
     claim = layout.safe_mode_lift(hashlib.sha256(halt).hexdigest()[:32])
     won = store.put_if_absent(claim, json.dumps({"by": by, "time": time.time()}, default=str).encode())
+    if not won and _current(store, layout) != raw:
+        return previous  # the lift that claimed it removed it; a new halt since is never touched here
     # Before the file goes: a crash in between leaves it halted with fresh counts, never resumed with stale ones.
     _next_generation(store, layout)
     store.delete(layout.safe_mode)
     if not won:
-        return None
+        return previous  # the claimant records the lift (one resumed event per halt)
     record_event(store, layout, RESUMED, by=by, was=str(previous.get("summary", ""))[:2000], **details)
     log.info("experiment %s left safe mode (%s)", layout.experiment, by)
     return previous
+
+
+def _current(store: ObjectStore, layout: Layout) -> bytes | None:
+    try:
+        return store.get(layout.safe_mode)
+    except NotFound:
+        return None
 
 
 def first_try_after_clear(try_number: int, max_tries: int, retries: int) -> bool:
