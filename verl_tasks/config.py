@@ -661,7 +661,7 @@ def trigger_floors(dag_config: ExperimentConfig) -> dict[str, tuple[float, str]]
     more work (``Bound.divide``); ``dag_config`` as for :func:`trigger_limits`."""
     floors: dict[str, tuple[float, str]] = {}
     for key, bound in TRIGGER_BOUNDS.items():
-        if bound is None or bound.divide is None:
+        if bound is None:
             continue
         own = value_at(dag_config, key)
         lowest = bound.lowest(own)

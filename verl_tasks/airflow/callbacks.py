@@ -226,12 +226,12 @@ def on_failure(context: dict[str, Any], notifiers: tuple[Any, ...] = ()) -> None
         return
     cfg, store, layout, unit, info = _unit_info(context)
     task = context["task"]
-    if refused_by_safe_mode(context):  # neither a failed batch nor a new halt: the Clear of the run's failed tasks
-        record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True,
-                     refused="safe_mode", **info)
+    refused = refused_by_safe_mode(context)
+    record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True,
+                 **({"refused": "safe_mode"} if refused else {}), **info)
+    if refused:  # neither a failed batch nor a new halt: the Clear of the run's failed tasks reruns it
         log.warning("%s did not run: %s is in safe mode", unit, cfg.experiment)
         return
-    record_event(store, layout, TASK_FAILED, epoch=task.epoch, phase=task.phase, batch=task.batch, final=True, **info)
     if task.batch is not None:
         lost = _count_failed_try(context, store, layout, info, final=True)
         if cfg.fault_tolerance.may_skip(len(lost), cfg.rollout.batches_per_epoch):

@@ -335,9 +335,8 @@ def safe_mode_view(record: dict[str, Any] | None,
     commands = record.get("commands")
     if not isinstance(commands, dict):
         commands = {}
-    failed = {u["unit"] for u in units}
-    refused = [t for t in refused if t["unit"] not in failed]  # a failed unit refused on a later try is failed
-    refused = [{**t, "dag_id": t.get("dag_id") or record.get("dag_id")} for t in refused]
+    failed = {u["unit"] for u in units}  # a failed unit refused on a later try is shown failed
+    refused = [{**t, "dag_id": t.get("dag_id") or record.get("dag_id")} for t in refused if t["unit"] not in failed]
     runs = [{"dag_id": dag, "run_id": run} for dag, run in dict.fromkeys(
         (t["dag_id"], t["run_id"]) for t in units + refused if t.get("run_id") and t.get("dag_id"))]
     return {

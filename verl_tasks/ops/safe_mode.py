@@ -143,9 +143,8 @@ def leave_safe_mode(store: ObjectStore, layout: Layout, by: str = "verl-tasks re
         The record that was removed (by this call or by a concurrent lift of the same halt, which then
         records the event), or None when the experiment was not halted.
     """
-    try:
-        raw = store.get(layout.safe_mode)
-    except NotFound:
+    raw = _current(store, layout)
+    if raw is None:
         return None
     previous = json.loads(raw)
     # The tasks of one Clear of a run start together and may all find the halt: the one that claims its lift
