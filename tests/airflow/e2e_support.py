@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -101,6 +102,50 @@ class PgDatabase:
 
 
 # -- airflow standalone ----------------------------------------------------------------------
+def standalone_env(home: Path, dags: Path, plugins: Path, port: int, log_ports: tuple[int, int], database: str,
+                   **settings: str) -> dict[str, str]:
+    """The environment of an Airflow a test starts: this process's, without its own Airflow, verl-tasks and Ray
+    settings; LocalExecutor on ``database``, examples off, DAGs unpaused, every user an admin, the API on
+    127.0.0.1:``port`` with fresh secrets, fast scheduling, the worker's and triggerer's log servers on
+    ``log_ports``. ``settings`` add or override."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
+    env.update({
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(plugins),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "60",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database,
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
+        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
+        "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
+        "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
+        # On a loaded 2-core machine the api-server's first execution-API call can take tens of
+        # seconds; with the default 5 s timeout the worker retries and the retry gets HTTP 400.
+        "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90",
+        # Log servers of the worker and the triggerer bind all interfaces on fixed ports by default.
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(log_ports[0]),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(log_ports[1]),
+        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "300",
+        **settings,
+    })
+    return env
+
+
+# On a busy 2-core machine a component's heartbeat lapses for tens of seconds (seen: the triggerer's, 43.6 s).
+# Past 30 s (the default) the scheduler counts its own job dead and resets its queued and running task
+# instances; the triggerer's triggers are reassigned.
+SLOW_HEARTBEATS = {"AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "120",
+                   "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "120"}
+
 @dataclass
 class Standalone:
     home: Path

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import secrets
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +31,16 @@ from typing import Any
 import pytest
 
 from tests import faults
-from tests.airflow.e2e_support import Api, Standalone, free_port, states, ti_key, wait_for
+from tests.airflow.e2e_support import (
+    SLOW_HEARTBEATS,
+    Api,
+    Standalone,
+    free_port,
+    standalone_env,
+    states,
+    ti_key,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -107,34 +115,9 @@ def standalone_stack(root: Path) -> Iterator[Stack]:
     while len(ports) < 3:
         ports.add(free_port())
     port, worker_logs, trigger_logs = sorted(ports)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
+    env = standalone_env(home, dags, REPO / "plugins", port, (worker_logs, trigger_logs),
+                         f"sqlite:///{home}/airflow.db", **SLOW_HEARTBEATS)
     env.update(faults.harness_env(plan_dir, env))
-    env.update({
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "60",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-        "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(port),
-        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-        "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
-        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
-        "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
-        "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
-        "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90",
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "120",
-        "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "120",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_logs),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_logs),
-        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "300",
-    })
     airflow = Standalone(home, port, env)
     airflow.start()
     try:

@@ -39,11 +39,13 @@ import pytest
 
 from tests import faults
 from tests.airflow.e2e_support import (
+    SLOW_HEARTBEATS,
     Api,
     PgDatabase,
     Standalone,
     free_port,
     pg_user,
+    standalone_env,
     states,
     ti_key,
     wait_for,
@@ -186,47 +188,15 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
         home = tmp_path / "airflow-home"
         (home / "plugins").mkdir(parents=True)
         port = pick()
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
-        env.update({
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            "AIRFLOW_HOME": str(home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-            "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-            "AIRFLOW__CORE__PARALLELISM": "4",
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-            "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "60",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db.sync_url,
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC": db.async_url,
-            "AIRFLOW__API__HOST": "127.0.0.1",
-            "AIRFLOW__API__PORT": str(port),
-            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-            "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
-            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
-            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
-            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
-            # On a busy 2-core machine a component's heartbeat lapses for tens of seconds (seen: the
-            # triggerer's, 43.6 s). Past 30 s (the default) the scheduler counts its own job dead and
-            # resets its queued and running task instances; the triggerer's triggers are reassigned.
-            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "120",
-            "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "120",
-            # On a loaded 2-core machine the api-server's first execution-API call can take tens of
-            # seconds; with the default 5 s timeout the worker retries and the retry gets HTTP 400.
-            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90",
-            # Log servers of the worker and the triggerer bind all interfaces on fixed ports by default.
-            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(pick()),
-            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(pick()),
-            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "300",
-            f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps({
+        env = standalone_env(
+            home, dags, home / "plugins", port, (pick(), pick()), db.sync_url,
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC=db.async_url, **SLOW_HEARTBEATS,
+            **{f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps({
                 "conn_type": "aws", "login": AWS_KEY, "password": AWS_SECRET,
                 "extra": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}),
-            # The failure callback pauses the DAG through this connection (safe mode).
-            "AIRFLOW_CONN_VERL_AIRFLOW_API": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port}),
-            **head_env,
-        })
+               # The failure callback pauses the DAG through this connection (safe mode).
+               "AIRFLOW_CONN_VERL_AIRFLOW_API": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port})},
+            **head_env)
         started = time.monotonic()
         airflow = Standalone(home, port, env)
         airflow.start()

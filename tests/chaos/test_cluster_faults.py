@@ -37,7 +37,17 @@ from pathlib import Path
 import pytest
 
 from tests import faults
-from tests.airflow.e2e_support import Api, PgDatabase, _group_alive, free_port, pg_user, states, ti_key, wait_for
+from tests.airflow.e2e_support import (
+    Api,
+    PgDatabase,
+    _group_alive,
+    free_port,
+    pg_user,
+    standalone_env,
+    states,
+    ti_key,
+    wait_for,
+)
 
 from . import util
 
@@ -212,40 +222,17 @@ def cluster(tmp_path_factory, moto_endpoint):
         home = tmp / "airflow-home"
         (home / "plugins").mkdir(parents=True)
         port = pick()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VERL_TASKS_", "RAY_"))}
-        env.update({
-            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            "AIRFLOW_HOME": str(home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-            "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-            "AIRFLOW__CORE__PARALLELISM": "4",
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-            "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "60",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db.sync_url,
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC": db.async_url,
-            "AIRFLOW__API__HOST": "127.0.0.1",
-            "AIRFLOW__API__PORT": str(port),
-            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-            "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
-            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
-            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
+        env = standalone_env(
+            home, dags, home / "plugins", port, (pick(), pick()), db.sync_url,
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC=db.async_url,
             # A restarted scheduler resets the orphans of its killed predecessor soon (default: every 300 s).
-            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "10",
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
-            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
-            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "90",
-            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(pick()),
-            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(pick()),
-            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "300",
-            f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps({
+            AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL="10",
+            AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="60",
+            **{f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps({
                 "conn_type": "aws", "login": AWS_KEY, "password": AWS_SECRET,
                 "extra": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}),
-            "AIRFLOW_CONN_VERL_AIRFLOW_API": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port}),
-            **head_env,
-        })
+               "AIRFLOW_CONN_VERL_AIRFLOW_API": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port})},
+            **head_env)
         started = time.monotonic()
         migrate = subprocess.Popen([str(VENV_BIN / "airflow"), "db", "migrate"], env=env, cwd=str(home),
                                    stdout=open(home / "migrate.log", "wb"), stderr=subprocess.STDOUT,
