@@ -75,9 +75,16 @@ def main(spec_path: str) -> None:
     seen["rebuild"] = {"old": before, "old_alive": alive(before), "new": list(HELD.processes),
                        "engine_processes": engine_processes()}
     seen["v1_fresh"] = scored(llm, long_prompt, 11)
+
+    # Tied input and output embeddings (SmolLM2's shape): reloaded, then the same folder under other options.
+    tied_v0, tied_v1 = Path(spec["tied_v0"]), Path(spec["tied_v1"])
+    seen["tied_v0"] = scored(engine_for(tied_v0, options, heard.append), short_prompt, 7)
+    seen["tied_reloaded"] = scored(engine_for(tied_v1, options, heard.append), short_prompt, 7)
+    seen["tied_fresh"] = scored(engine_for(tied_v1, replace(options, max_model_len=200), heard.append),
+                                short_prompt, 7)
     seen["counts"] = {"builds": HELD.builds, "reloads": HELD.reloads}
     last = list(HELD.processes)
-    seen["shutdown"] = {"stopped": vllm_engine.shutdown(), "alive_after": alive(last),
+    seen["shutdown"] = {"held": last, "stopped": vllm_engine.shutdown(), "alive_after": alive(last),
                         "engine_processes": engine_processes()}
     seen["heard"] = heard
     print("PROBE " + json.dumps(seen), flush=True)

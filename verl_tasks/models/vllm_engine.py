@@ -4,8 +4,9 @@ reloaded in place for the next version, shut down before anything replaces it.
 vLLM reads a policy through an *inference view*: a private folder of links to the
 snapshot's weights, configs and tokenizer files, never its optimizer state (vLLM's
 loader loads every ``*.safetensors`` it finds, and would fail on ``name::exp_avg``).
-After an in-place reload the prefix cache is reset: its blocks hold KV computed by the
-old weights, and block hashes do not include the weights. An engine (its engine-core
+An in-place reload goes through :mod:`verl_tasks.models.vllm_reload` (vLLM's reload, then the
+CPU kernels' packed weights that the reload leaves stale). After it the prefix cache is reset: its
+blocks hold KV computed by the old weights, and block hashes do not include the weights. An engine (its engine-core
 process and, on a GPU, its share of the device) is shut down and waited for before a
 new one is built, when the unit's deadline passes, and when the worker exits.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_tasks.errors import ConfigError
+from verl_tasks.models import vllm_reload
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +101,15 @@ def _architecture(folder: Path) -> str:
 
 
 def engine_for(folder: Path, options: Any, on_engine: Callable[[str], None] | None = None) -> Any:
-    """The process's engine holding policy ``folder``: reused when it holds that folder, reloaded in place
-    when it was built for the same architecture and options, else built anew after the old one stops.
+    """The process's engine holding policy ``folder``: reused when it holds that folder and was built with
+    these options, reloaded in place when it was built for the same architecture and options, else built
+    anew after the old one stops.
 
     ``on_engine`` hears "built" or "reloaded".
     """
     source = str(Path(folder).resolve())
     key = (_architecture(folder), options)
-    if HELD.engine is not None and HELD.source == source:
+    if HELD.engine is not None and HELD.source == source and HELD.key == key:
         return HELD.engine
     if HELD.engine is not None and HELD.key == key:
         try:
@@ -128,7 +131,7 @@ def _reload(folder: Path) -> None:
     HELD.source = None  # an interrupted reload leaves weights of neither version: never reused as either
     view = inference_view(folder)
     HELD.views.append(view)
-    HELD.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(view)})
+    HELD.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(view)})
     if not HELD.engine.reset_prefix_cache():
         raise RuntimeError("the prefix cache could not be reset; its blocks hold the old weights' KV")
     HELD.source = str(Path(folder).resolve())
@@ -156,7 +159,8 @@ def _build(folder: Path, key: tuple, options: Any) -> None:
         engine = LLM(model=str(view), seed=0, enforce_eager=eager, dtype=options.dtype,
                      gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                      tensor_parallel_size=options.tensor_parallel_size,
-                     distributed_executor_backend="ray" if sharded else None)
+                     distributed_executor_backend="ray" if sharded else None,
+                     worker_extension_cls=vllm_reload.EXTENSION)
     except BaseException:
         shutil.rmtree(view, ignore_errors=True)
         raise
