@@ -207,7 +207,7 @@ def fsdp2(device: str, work: Path, layers: int | None) -> dict:
     import torch.distributed as dist
 
     from verl_tasks.models.checkpoint import save_policy
-    from verl_tasks.train.launch import process_group_backend
+    from verl_tasks.train.sharding import process_group_backend
     from verl_tasks.train.worker import build
 
     folder = work / "fsdp2-policy"

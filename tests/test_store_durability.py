@@ -101,7 +101,7 @@ def test_a_discarded_attempt_does_not_break_the_next_commit(tmp_path):
 
 
 def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp_path, synced, monkeypatch):
-    """A Ray Train worker writes its files into the attempt; the driver, another process, writes the
+    """An update worker writes its files into the attempt; the driver, another process, writes the
     marker. The worker cannot leave its folders' fsyncs for a marker it never writes."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -117,7 +117,7 @@ def test_a_train_worker_makes_its_share_durable_before_the_driver_commits_it(tmp
     core = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=8, n_layer=1, n_head=1, n_positions=16))
     optimizer = torch.optim.AdamW(core.parameters())
     writer = UnitWriter(store, UNIT)
-    save_outputs(torch.nn.Sequential(core), core, optimizer, tokenizer, tmp_path, writer, rank=0, world=1)
+    save_outputs(torch.nn.Sequential(core), core, optimizer, tokenizer, writer, rank=0, world=1)
     attempt = store.root / UNIT / ".attempts" / writer.attempt
     assert {"model.safetensors", "optimizer.safetensors"} <= {p.name for p in attempt.iterdir()}
     assert attempt in synced and attempt.parent in synced, synced

@@ -1,11 +1,11 @@
 """Beyond one machine, simulated on this one: a head and a second raylet that joins it (``ray start
 --address``, as every worker node of a real cluster does), each offering one rollout slot and one
 trainer slot (custom resources). The experiment asks each rollout worker and each of the update's
-two DDP workers (Ray Train) for one slot, so Ray has to spread them over both nodes; the run must
+two DDP workers (the resident group) for one slot, so Ray has to spread them over both nodes; the run must
 then end with the weights the same experiment gets on the head alone.
 
 Where things ran is read from what the run leaves behind: the rollout pool's workers say their node,
-the units' ``started`` events name the worker process, and the update's Ray Train workers record
+the units' ``started`` events name the worker process, and the update's workers record
 their node through the test hooks (``tests/faults``).
 """
 from __future__ import annotations

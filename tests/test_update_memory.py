@@ -32,8 +32,8 @@ from verl_tasks.phases.update_steps import (
 from verl_tasks.runner import epoch_units, make_context, run_phase
 from verl_tasks.store.units import read_marker
 from verl_tasks.train import logprobs
-from verl_tasks.train.launch import process_group_backend
 from verl_tasks.train.logprobs import ResponseLogProbs
+from verl_tasks.train.sharding import process_group_backend
 
 VOCAB = 40
 

@@ -1,4 +1,4 @@
-"""The update on the Ray backend: its pool actor drives Ray Train workers without holding what they need."""
+"""The update on the Ray backend: its pool actor drives the resident worker group without holding what it needs."""
 from __future__ import annotations
 
 import os
@@ -25,7 +25,7 @@ def test_a_distributed_update_pool_is_one_actor_without_gpus(tiny_config):
 
 
 @pytest.mark.slow
-def test_the_update_pool_actor_runs_two_ray_train_workers_on_a_head_just_big_enough(tiny_config, tmp_path_factory):
+def test_the_update_pool_actor_runs_two_resident_workers_on_a_head_just_big_enough(tiny_config, tmp_path_factory):
     """3 logical CPUs: the driver actor takes one, the two workers the others; the unit commits."""
     import ray
 
@@ -54,6 +54,7 @@ def test_the_update_pool_actor_runs_two_ray_train_workers_on_a_head_just_big_eno
             local_head.stop(state)
     assert result["ok"], result
     assert result["placement"]["gpu_ids"] == []
-    assert any("on 2 Ray Train workers (ddp, gloo)" in line for line in result["log"]), result["log"]
+    assert any("2 workers (ddp, gloo)" in line and "formed" in line for line in result["log"]), result["log"]
+    assert any("on 2 resident workers (ddp" in line for line in result["log"]), result["log"]
     meta = read_marker(ctx.store, ctx.layout.update(0)).meta
     assert (meta["update_workers"], meta["update_strategy"]) == (2, "ddp")

@@ -1,8 +1,8 @@
-"""The update on Ray Train workers (CPU, gloo): worker counts and strategies agree, a run switches between
+"""The update on the resident worker group (CPU, gloo): worker counts and strategies agree, a run switches between
 them keeping its optimizer state, and a worker SIGKILLed mid-step fails the attempt fast and the retry
 commits the same bytes.
 
-One local Ray serves the module: the first distributed update starts it (``train.launch.ensure_ray``),
+One local Ray serves the module: the first distributed update starts it (``train.group.ensure_ray``),
 with the test fault hooks (tests/faults) on its workers' PYTHONPATH.
 
 Tolerance: weights within ``WEIGHT_ATOL`` = 1e-5 of the one-worker update. Worker counts and

@@ -296,7 +296,7 @@ class Resources(Strict):
     num_gpus: float = Field(0, ge=0)
     memory_mb: int | None = Field(None, gt=0)
     custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {node_type_a100: 1}")
-    workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: Ray Train workers)")
+    workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: the resident group's workers)")
     idle_release_s: float = Field(300, gt=0, description="an idle worker exits after this, freeing its resources")
     strategy: UpdateStrategy = Field(UpdateStrategy.ddp, description="update only: ddp (replicated) or fsdp2 (sharded)")
     cpu_offload: bool = Field(
@@ -317,7 +317,7 @@ class Resources(Strict):
 
     @property
     def distributed(self) -> bool:
-        """Whether the update needs torch.distributed workers (Ray Train), not just this process."""
+        """Whether the update needs torch.distributed workers (the resident group), not just this process."""
         return self.workers > 1 or self.strategy == UpdateStrategy.fsdp2
 
 

@@ -13,7 +13,7 @@ plan is files in that folder, written by the test while those processes run:
   policy and waits there, before generating, until the test removes the hold file;
   ``.hold-start`` / ``.held-start`` likewise, before the unit starts (inline backend: before its
   safe-mode check);
-* ``<experiment>.e<epoch>-update.kill-rank<r>``: update worker ``r`` (a Ray Train worker) kills
+* ``<experiment>.e<epoch>-update.kill-rank<r>``: update worker ``r`` (a rank of the resident group) kills
   itself with SIGKILL in the middle of its first optimizer step (forward done, gradients not yet
   reduced); the file becomes ``.killed``, so exactly one worker of one attempt dies;
 * ``<experiment>.e<epoch>-update.record-nodes``: each update worker writes its Ray node id and

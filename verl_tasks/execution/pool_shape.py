@@ -60,8 +60,8 @@ class PoolShape:
 
     @classmethod
     def for_phase(cls, config: ExperimentConfig, phase: str) -> PoolShape:
-        """The pool of ``phase``; an update on Ray Train is one driver actor that holds no GPUs, memory or
-        custom resources: its Ray Train workers reserve those, so the driver never holds what they wait for.
+        """The pool of ``phase``; a distributed update is one driver actor that holds no GPUs, memory or
+        custom resources: its resident workers reserve those, so the driver never holds what they wait for.
         A rollout engine sharded over ``tensor_parallel_size`` GPUs gets them as a placement group."""
         res: Resources = config.phase_resources(phase)
         if phase == "update" and res.distributed:
@@ -135,7 +135,7 @@ def experiment_shapes(config: ExperimentConfig) -> set[PoolShape]:
 
 def cpus_for(config: ExperimentConfig) -> float:
     """Logical CPUs every pool of the experiment holds when all are resident at once
-    (a distributed update: its driver actor plus its Ray Train workers, each with the update's CPUs)."""
+    (a distributed update: its driver actor plus its resident workers, each with the update's CPUs)."""
     total = sum(shape.num_cpus * shape.workers for shape in experiment_shapes(config))
     update = config.phase_resources("update")
     return total + (update.num_cpus * update.workers if update.distributed else 0)

@@ -15,13 +15,14 @@ from typing import Any, cast
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from verl_tasks.errors import IntegrityError
+from verl_tasks.models.safetensors_io import Written, unique_state, write_tensors
 from verl_tasks.store.conventions import OPTIMIZER, WEIGHTS
 
-__all__ = ["WEIGHTS", "OPTIMIZER", "OPTIMIZER_INDEX", "refuse_pickles", "save_policy", "load_policy", "save_optimizer",
-           "save_optimizer_shard", "optimizer_index", "read_optimizer_index", "check_optimizer_index", "load_optimizer"]
+__all__ = ["WEIGHTS", "OPTIMIZER", "OPTIMIZER_INDEX", "refuse_pickles", "save_policy", "save_configs", "load_policy",
+           "save_optimizer", "save_optimizer_shard", "optimizer_tensors", "save_policy_and_optimizer",
+           "optimizer_index", "read_optimizer_index", "check_optimizer_index", "load_optimizer"]
 
 OPTIMIZER_INDEX = "optimizer.json"
 OPTIMIZER_FORMAT = "verl-tasks/optimizer-v1"
@@ -39,26 +40,46 @@ def refuse_pickles(folder: Path) -> None:
             )
 
 
-def save_policy(model: Any, tokenizer: Any, folder: Path) -> list[Path]:
-    """Write an HF-loadable folder; returns the files written."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+def save_configs(model: Any, tokenizer: Any, folder: Path) -> None:
+    """Every file of an HF policy folder but the weights: ``config.json``, the generation config, the tokenizer's."""
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return sorted(p for p in folder.iterdir() if p.is_file())
 
 
-def load_policy(folder: Path, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def save_policy(model: Any, tokenizer: Any, folder: Path) -> dict[str, Written]:
+    """Write an HF-loadable folder: the config files, the tokenizer's and the weights (streamed and
+    hashed in one pass, every tensor once, tied ones under their first name, as HF saves them).
+
+    Returns ``{"model.safetensors": Written}``: the size and sha256 the commit lists, so nothing is read back.
+    """
+    save_configs(model, tokenizer, folder)
+    return {WEIGHTS: write_tensors(folder / WEIGHTS, unique_state(model), {"format": "pt"})}
+
+
+def load_policy(folder: Path, dtype: str = "float32", state: dict[str, torch.Tensor] | None = None
+                ) -> tuple[torch.nn.Module, Any]:
+    """The causal LM and tokenizer of an HF policy folder, in ``dtype``; the weights from ``state`` when
+    given (tensors handed over in memory: the folder then needs no weights file), else the folder's."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     refuse_pickles(folder)
-    if not (folder / WEIGHTS).exists() and not any(folder.glob("model-*.safetensors")):
-        raise IntegrityError(str(folder), [f"no {WEIGHTS} in the policy folder"])
-    model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, dtype=getattr(torch, dtype))
+    if state is not None:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
+            {name for name, _ in model.named_parameters()}
+        if unexpected or set(missing) - tied:
+            raise IntegrityError(str(folder), [f"handed-over weights do not fit the model: missing "
+                                               f"{sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}"])
+    else:
+        if not (folder / WEIGHTS).exists() and not any(folder.glob("model-*.safetensors")):
+            raise IntegrityError(str(folder), [f"no {WEIGHTS} in the policy folder"])
+        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model.eval()
     return model, tokenizer
@@ -84,14 +105,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def save_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> dict[str, list[int]]:
-    """Write this process's slice of every parameter's AdamW state (``name::field``); returns its rows per name.
+def optimizer_tensors(optimizer: torch.optim.Optimizer, model: torch.nn.Module
+                      ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, list[int]]]:
+    """This process's slice of every parameter's AdamW state as ``(name::field, tensor)`` in parameter
+    order, and the rows it holds of each parameter.
 
     Rows are ``[start, stop, *full shape]``: the index (``optimizer_index``) needs no other
     record of how the model was sharded, so a reader with any worker count finds its rows.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: list[tuple[str, torch.Tensor]] = []
     rows: dict[str, list[int]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -100,11 +123,18 @@ def save_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                 continue
             name = names[id(param)]
             rows[name] = [*local_rows(param), *param.shape]
-            for key, value in state.items():
+            for key, value in sorted(state.items()):
                 tensor = _local(value) if torch.is_tensor(value) else torch.tensor(value)
-                tensors[f"{name}::{key}"] = tensor.detach().contiguous().cpu()
-    save_file(tensors, str(path))
-    return rows
+                tensors.append((f"{name}::{key}", tensor.detach()))
+    return tensors, rows
+
+
+def save_optimizer_shard(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path
+                         ) -> tuple[dict[str, list[int]], Written]:
+    """Write this process's slice of the AdamW state (``name::field``), streamed and hashed in one pass;
+    returns its rows per parameter and the file's size and sha256."""
+    tensors, rows = optimizer_tensors(optimizer, model)
+    return rows, write_tensors(path, tensors)
 
 
 def optimizer_index(optimizer: torch.optim.Optimizer, shards: dict[str, dict[str, list[int]]]) -> dict[str, Any]:
@@ -113,12 +143,29 @@ def optimizer_index(optimizer: torch.optim.Optimizer, shards: dict[str, dict[str
     return {"format": OPTIMIZER_FORMAT, "shards": shards, "param_groups": json.loads(json.dumps(groups, default=list))}
 
 
-def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path) -> dict[str, Any]:
-    """One process holding the whole state: ``optimizer.safetensors`` plus its index; returns the hyperparameters."""
-    rows = save_optimizer_shard(optimizer, model, folder / OPTIMIZER)
+def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path
+                   ) -> tuple[dict[str, Any], dict[str, Written]]:
+    """One process holding the whole state: ``optimizer.safetensors`` plus its index.
+
+    Returns the hyperparameters and ``{"optimizer.safetensors": Written}``.
+    """
+    rows, written = save_optimizer_shard(optimizer, model, folder / OPTIMIZER)
     index = optimizer_index(optimizer, {OPTIMIZER: rows})
     (folder / OPTIMIZER_INDEX).write_text(json.dumps(index, sort_keys=True, indent=1))
-    return {"param_groups": index["param_groups"]}
+    return {"param_groups": index["param_groups"]}, {OPTIMIZER: written}
+
+
+def save_policy_and_optimizer(model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, folder: Path
+                              ) -> tuple[dict[str, Any], dict[str, Written]]:
+    """``save_policy`` and ``save_optimizer`` side by side in two threads (the weights and the AdamW state
+    are separate files; hashing and writing release the GIL). Returns the hyperparameters and every
+    streamed file's size and sha256."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2, thread_name_prefix="verl-tasks-save") as pool:
+        weights = pool.submit(save_policy, model, tokenizer, folder)
+        hyper, state = save_optimizer(optimizer, model, folder)
+        return hyper, {**weights.result(), **state}
 
 
 def read_optimizer_index(folder: Path) -> dict[str, Any] | None:

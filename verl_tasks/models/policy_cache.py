@@ -69,14 +69,20 @@ class PolicyCache:
         self._lock = threading.RLock()  # take holds it around get
         self.loads = {"built": 0, "in_place": 0}
 
-    def get(self, key: PolicyKey, folder: Path) -> tuple[torch.nn.Module, Any, str | None]:
-        """The policy of ``key`` from ``folder``; returns (model, tokenizer, how) with how None on a hit."""
+    def holds(self, key: PolicyKey) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def get(self, key: PolicyKey, folder: Path, tensors: dict[str, torch.Tensor] | None = None
+            ) -> tuple[torch.nn.Module, Any, str | None]:
+        """The policy of ``key`` from ``folder`` (its weights from ``tensors`` when given: the committed
+        weights handed over in memory); returns (model, tokenizer, how) with how None on a hit."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 return entry.model, entry.tokenizer, None
-            entry, how = self._load(key, folder)
+            entry, how = self._load(key, folder, tensors)
             self._entries[key] = entry
             self.loads[how] += 1
             return entry.model, entry.tokenizer, how
@@ -117,7 +123,7 @@ class PolicyCache:
             evicted.append(self._entries.popitem(last=False))
         return evicted
 
-    def _load(self, key: PolicyKey, folder: Path) -> tuple[_Entry, str]:
+    def _load(self, key: PolicyKey, folder: Path, tensors: dict[str, torch.Tensor] | None) -> tuple[_Entry, str]:
         architecture = architecture_of(folder)
         evicted = self._trim(keep=self.capacity - 1)
         for old_key, old in evicted:
@@ -125,14 +131,14 @@ class PolicyCache:
                 refuse_pickles(folder)
                 from safetensors.torch import load_file
 
-                state = load_file(str(folder / WEIGHTS), device=key.device)
+                state = tensors if tensors is not None else load_file(str(folder / WEIGHTS), device=key.device)
                 missing, unexpected = old.model.load_state_dict(state, strict=False)
                 # Tied weights (lm_head = embeddings) are absent from the file by design.
                 if not unexpected and all(name in _tied_names(old.model) for name in missing):
                     old.model.eval()
                     old.optimizer = None  # its state belonged to the old weights
                     return old, "in_place"
-        model, tokenizer = load_policy(folder, key.dtype)
+        model, tokenizer = load_policy(folder, key.dtype, tensors)
         model.to(key.device)
         return _Entry(model, tokenizer, architecture), "built"
 

@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
+from verl_tasks.models import handover
 from verl_tasks.models.checkpoint import WEIGHTS, refuse_pickles
 from verl_tasks.models.device import resolve_device
 from verl_tasks.models.engines import Policy
@@ -32,7 +32,7 @@ from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
-from verl_tasks.store.conventions import check_not_pruned, optimizer_state_id
+from verl_tasks.store.conventions import check_not_pruned, is_optimizer_state, optimizer_state_id
 from verl_tasks.store.units import (
     CommitRecord,
     ConfigPin,
@@ -160,8 +160,12 @@ def run_unit(
     return record
 
 
-def policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
-    """A local folder holding policy ``version`` (snapshot files verified against the manifest).
+def policy_folder(ctx: PhaseContext, version: int, record: CommitRecord | None = None, *,
+                  weights: bool = True, optimizer: bool = False) -> tuple[Path, CommitRecord]:
+    """A local folder holding policy ``version``'s files, each verified against the manifest: its configs
+    and tokenizer, its weights unless ``weights`` is False (they come from memory), its optimizer state
+    only with ``optimizer`` (the update reads it; rollout and evaluation never do). ``record``: the
+    snapshot's, when the caller read it already.
 
     Raises:
         SnapshotPruned: retention deleted the snapshot's weights; it is unavailable, not
@@ -171,7 +175,7 @@ def policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
     """
     check_not_pruned(ctx.store, ctx.layout, version)
     try:
-        return _policy_folder(ctx, version)
+        return _policy_folder(ctx, version, record, weights, optimizer)
     except IntegrityError as err:
         info = fall_back(ctx, version, err.problems)
         raise PhaseFailed(
@@ -181,39 +185,53 @@ def policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
         ) from err
 
 
-def _policy_folder(ctx: PhaseContext, version: int) -> tuple[Path, CommitRecord]:
-    record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
-    weights_sha = record.files[WEIGHTS].sha256
+# Policy folders a node keeps downloaded from a remote store (each keyed by its weights' sha256): the
+# versions a worker reads at once (the policy, the base as KL reference, the one an evaluation lags behind).
+POLICY_CACHE_KEEP = 4
+# Bytes this process read from the store for policies, and received in memory (the handover): for benchmarks.
+POLICY_BYTES = {"store": 0, "memory": 0}
+
+
+def _needed(record: CommitRecord, weights: bool, optimizer: bool) -> list[str]:
+    return sorted(name for name in record.files
+                  if (name != WEIGHTS or weights) and (optimizer or not is_optimizer_state(name)))
+
+
+def _policy_folder(ctx: PhaseContext, version: int, record: CommitRecord | None, weights: bool,
+                   optimizer: bool) -> tuple[Path, CommitRecord]:
+    if record is None:
+        record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
+    names = _needed(record, weights, optimizer)
     if isinstance(ctx.store, LocalStore):
         folder = ctx.store.root / f"{record.unit}/.attempts/{record.attempt}"
-        if all((folder / name).is_file() and (folder / name).stat().st_size == e.size
-               for name, e in record.files.items()):
-            _verify_weights(folder / WEIGHTS, weights_sha, record.unit)
+        if all((folder / name).is_file() and (folder / name).stat().st_size == record.files[name].size
+               for name in names):
+            if weights:
+                _verify_weights(folder / WEIGHTS, record.files[WEIGHTS].sha256, record.unit)
             return folder, record
         raise IntegrityError(record.unit, ["snapshot files missing or truncated"])
-    folder = CACHE_DIR / "policies" / weights_sha
-
-    def cached() -> bool:
-        # Keyed by the weights' hash; another snapshot with the same weights may carry other
-        # files (e.g. no optimizer state), so every file this record names must be there.
-        return (folder / ".complete").exists() and all((folder / name).is_file() for name in record.files)
-
-    if not cached():
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
-        for name in record.files:
-            download(ctx.store, record, name, tmp / name)
-        (tmp / ".complete").touch()
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        if not cached():  # an incomplete or stale entry; a concurrent winner's is left alone
-            shutil.rmtree(folder, ignore_errors=True)
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process cached the same content first
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not cached():
-                raise
+    # Keyed by the weights' hash; another snapshot with the same weights may carry other files (e.g. no
+    # optimizer state). Each file is verified before it is renamed in, so a name present is a verified file.
+    folder = CACHE_DIR / "policies" / record.files[WEIGHTS].sha256
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (folder / name).is_file() and (folder / name).stat().st_size == record.files[name].size:
+            continue
+        partial = folder / f".tmp-{os.getpid()}-{name}"
+        download(ctx.store, record, name, partial)
+        POLICY_BYTES["store"] += record.files[name].size
+        os.replace(partial, folder / name)
+    os.utime(folder)
+    _prune_policy_cache(folder)
     return folder, record
+
+
+def _prune_policy_cache(using: Path) -> None:
+    """Keep the ``POLICY_CACHE_KEEP`` most recently used policy folders of this node (and ``using``)."""
+    folders = sorted((p for p in using.parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in folders[POLICY_CACHE_KEEP:]:
+        if stale != using:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 _VERIFIED: set[tuple[str, str, int, int]] = set()
@@ -226,6 +244,7 @@ def _verify_weights(path: Path, sha: str, unit: str) -> None:
     key = (str(path), sha, stat.st_mtime_ns, stat.st_size)
     if key in _VERIFIED:
         return
+    POLICY_BYTES["store"] += stat.st_size
     if sha256_file(path) != sha:
         raise IntegrityError(unit, [f"{WEIGHTS}: sha256 differs from manifest"])
     _VERIFIED.add(key)
@@ -236,16 +255,24 @@ def _policy_key(ctx: PhaseContext, record: CommitRecord, dtype: str) -> PolicyKe
     return PolicyKey(record.files[WEIGHTS].sha256, dtype, str(device))
 
 
-def load_version(ctx: PhaseContext, version: int) -> tuple[torch.nn.Module, Any, Path]:
-    """Policy ``version`` on the configured device, from this process's warm cache when it holds it.
+def load_version(ctx: PhaseContext, version: int, record: CommitRecord | None = None
+                 ) -> tuple[torch.nn.Module, Any, Path]:
+    """Policy ``version`` on the configured device: from this process's warm cache when it holds it, else
+    from the update's in-memory handover when it is there under the committed checksum, else the store.
 
     Returns:
-        (model, tokenizer, local folder of the verified snapshot).
+        (model, tokenizer, local folder of the verified snapshot's configs and tokenizer).
     """
-    folder, record = policy_folder(ctx, version)
+    if record is None:
+        check_not_pruned(ctx.store, ctx.layout, version)
+        record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
     key = _policy_key(ctx, record, ctx.config.model.dtype)
-    model, tokenizer, how = POLICIES.get(key, folder)
-    _record_load(ctx, version, key, how)
+    tensors = None if POLICIES.holds(key) else handover.fetch(ctx.config, record)
+    folder, record = policy_folder(ctx, version, record, weights=tensors is None)
+    model, tokenizer, how = POLICIES.get(key, folder, tensors)
+    if tensors is not None and how is not None:
+        POLICY_BYTES["memory"] += record.files[WEIGHTS].size
+    _record_load(ctx, version, key, how, "memory" if tensors is not None else "store")
     return model, tokenizer, folder
 
 
@@ -254,11 +281,23 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def sampling_policy(ctx: PhaseContext, version: int) -> Policy:
     """What the configured engine samples policy ``version`` from. vLLM loads the folder itself: no HF
-    copy of the weights is loaded beside it (on a GPU it would hold memory the engine was promised)."""
+    copy of the weights is loaded beside it (on a GPU it would hold memory the engine was promised). Its
+    weights come from the update's in-memory handover when they are there under the committed checksum
+    (written into a local folder, verified as written), else from the store."""
     if ctx.config.rollout.engine == "hf":
         model, tokenizer, folder = load_version(ctx, version)
         return Policy(tokenizer, folder, model)
-    folder, _record = policy_folder(ctx, version)
+    check_not_pruned(ctx.store, ctx.layout, version)
+    record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
+    held = handover.local_folder(record)
+    if held is None:
+        tensors = handover.fetch(ctx.config, record)
+        if tensors is not None:
+            configs, record = policy_folder(ctx, version, record, weights=False)
+            held = handover.materialize(tensors, record, configs)
+            if held is not None:
+                POLICY_BYTES["memory"] += record.files[WEIGHTS].size
+    folder = held if held is not None else policy_folder(ctx, version, record)[0]
     key = str(folder)
     if key not in _TOKENIZERS:
         from transformers import AutoTokenizer
@@ -269,13 +308,13 @@ def sampling_policy(ctx: PhaseContext, version: int) -> Policy:
     return Policy(_TOKENIZERS[key], folder)
 
 
-def take_version(ctx: PhaseContext, version: int, *, keep: bool = False
+def take_version(ctx: PhaseContext, version: int, *, keep: bool = False, record: CommitRecord | None = None
                  ) -> tuple[torch.nn.Module, Any, Path, WarmOptimizer | None]:
     """Like :func:`load_version` for a caller that will change the weights (the update): the model, in
     ``model.train_dtype``, leaves the cache, with the optimizer kept beside it, if any (the caller checks
     its ``state_id``). ``keep``: the version stays cached for later readers and the caller trains a copy
     of it (useful when those readers' ``model.dtype`` is the same)."""
-    folder, record = policy_folder(ctx, version)
+    folder, record = policy_folder(ctx, version, record, optimizer=True)
     key = _policy_key(ctx, record, ctx.config.model.train_dtype)
     model, tokenizer, how, optimizer = POLICIES.take(key, folder, keep=keep)
     _record_load(ctx, version, key, how)
@@ -285,10 +324,10 @@ def take_version(ctx: PhaseContext, version: int, *, keep: bool = False
     return model, tokenizer, folder, optimizer
 
 
-def _record_load(ctx: PhaseContext, version: int, key: PolicyKey, how: str | None) -> None:
+def _record_load(ctx: PhaseContext, version: int, key: PolicyKey, how: str | None, source: str = "store") -> None:
     if how is not None:
         record_event(ctx.store, ctx.layout, "policy_loaded", version=version, how=how, device=key.device,
-                     weights_sha256=key.weights_sha256)
+                     weights_sha256=key.weights_sha256, weights_from=source)
 
 
 def keep_policy(ctx: PhaseContext, record: CommitRecord, model: torch.nn.Module, tokenizer: Any, folder: Path,

@@ -6,7 +6,7 @@ snapshot phase then publishes it. Nothing here depends on how many workers ran
 before, or how they held the model: optimizer state is keyed by parameter name and
 indexed by rows, so ``resources.update.workers`` and ``resources.update.strategy``
 may change between epochs of one experiment. The loss and the loop live in
-``update_steps``; one ddp worker runs here, anything else on Ray Train (``verl_tasks.train``).
+``update_steps``; one ddp worker runs here, anything else on the resident worker group (``verl_tasks.train``).
 The trained weights and AdamW state are in ``model.train_dtype``, the forward computes in
 ``model.dtype``, ``resources.update.micro_batch_size`` rows at a time.
 """
@@ -26,11 +26,12 @@ from verl_tasks.models.checkpoint import (
     WEIGHTS,
     load_optimizer,
     optimizer_shard_name,
-    save_optimizer,
-    save_policy,
+    save_policy_and_optimizer,
 )
+from verl_tasks.models.handover import publish_weights
 from verl_tasks.models.policy_cache import WarmOptimizer
-from verl_tasks.phases.common import PhaseContext, committed, keep_policy, load_version, require, run_unit, take_version
+from verl_tasks.phases.common import PhaseContext, committed, keep_policy, load_version, run_unit, take_version
+from verl_tasks.phases.update_inputs import UpdateSource, read_update_source
 from verl_tasks.phases.update_steps import (
     UpdateInputs,
     epoch_inputs,
@@ -39,23 +40,10 @@ from verl_tasks.phases.update_steps import (
     step_records,
     train_steps,
 )
-from verl_tasks.phases.validate import epoch_batches
-from verl_tasks.store.conventions import STEPS_FILE, TRAINER_STATE, check_not_pruned, optimizer_state_id
-from verl_tasks.store.units import CommitRecord, UnitWriter, read_json, read_jsonl
-from verl_tasks.train.launch import train_on_workers
+from verl_tasks.store.conventions import STEPS_FILE, TRAINER_STATE
+from verl_tasks.store.units import CommitRecord, UnitWriter
+from verl_tasks.train.group import train_on_workers
 from verl_tasks.train.logprobs import ResponseLogProbs
-
-
-def load_epoch_samples(ctx: PhaseContext, epoch: int) -> list[dict[str, Any]]:
-    """The epoch's samples joined with their scores, in (batch, sample) order; skipped batches left out."""
-    out = []
-    for b in epoch_batches(ctx, epoch):
-        samples = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, b), "rollout"), "samples.jsonl")
-        scored = read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")
-        scores = {r["sample_id"]: r["score"] for r in scored}
-        for s in samples:
-            out.append({**s, "score": scores[s["sample_id"]]})
-    return out
 
 
 def fill_frozen_logprobs(
@@ -98,59 +86,49 @@ def resumed_optimizer(model: torch.nn.Module, algo, folder: Path, state_id: str 
     return optimizer
 
 
-def _train_here(
-    ctx: PhaseContext, epoch: int, planned: dict[str, Any], samples: list[dict[str, Any]], single_step: bool,
-    first_step: int, state_id: str | None, out: Path,
-) -> tuple[list[dict[str, float]], dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _train_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: UnitWriter
+                ) -> tuple[list[dict[str, float]], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """One process, no torch.distributed (one ddp worker): train, write ``out/`` (HF folder + optimizer state).
 
-    Returns (metric sums, steps, optimizer hyperparameters, where and how long it trained and wrote,
+    Returns (metric sums per step, optimizer hyperparameters, where and how long it trained and wrote,
     the trained model and optimizer to keep warm).
     """
     cfg, algo = ctx.config, ctx.config.algorithm
-    version, with_kl = planned["policy_version"], algo.kl_type.value != "none"
+    version = source.policy_version
     # The base is read again after this update (the KL reference, its evaluation): train a copy of it,
     # unless those readers load it in another dtype (model.dtype) than the one trained (model.train_dtype).
-    base_again = (version == 0 and (with_kl or committed(ctx, ctx.layout.base_evaluate) is None)
+    base_again = (version == 0 and (source.reference is not None or committed(ctx, ctx.layout.base_evaluate) is None)
                   and cfg.model.dtype == cfg.model.train_dtype)
-    model, tokenizer, folder, warm = take_version(ctx, version, keep=base_again)
+    model, tokenizer, folder, warm = take_version(ctx, version, keep=base_again, record=source.start.record)
     policy = policy_module(model, cfg.model)
-    ref = ResponseLogProbs(load_version(ctx, 0)[0]) if with_kl else None  # frozen, in model.dtype
+    ref = None
+    if source.reference is not None:  # frozen, in model.dtype
+        ref = ResponseLogProbs(load_version(ctx, 0, record=source.reference.record)[0])
     micro = cfg.phase_resources("update").micro_batch_size
     device = next(model.parameters()).device
-    inputs = epoch_inputs(samples, tokenizer.pad_token_id, algo.norm_adv_by_std).to(device)
-    inputs = fill_frozen_logprobs(inputs, policy, ref, cfg.rollout.temperature, single_step, micro)
-    optimizer = resumed_optimizer(model, algo, folder, state_id, warm)
-    on_step = lambda step: ctx.hook("update_step", epoch=epoch, step=step)  # noqa: E731
+    inputs = epoch_inputs(source.samples, tokenizer.pad_token_id, algo.norm_adv_by_std).to(device)
+    inputs = fill_frozen_logprobs(inputs, policy, ref, cfg.rollout.temperature, source.single_step, micro)
+    optimizer = resumed_optimizer(model, algo, folder, source.start.optimizer_state, warm)
+    on_step = lambda step: ctx.hook("update_step", epoch=source.epoch, step=step)  # noqa: E731
     started = time.monotonic()
-    per_step = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, planned["update_seed"],
-                           on_step, first_step, micro_batch_size=micro)
+    per_step = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, source.update_seed,
+                           on_step, source.first_step, micro_batch_size=micro)
     trained_at = time.monotonic()
     model.eval()
-    save_policy(model, tokenizer, out)
-    hyper = save_optimizer(optimizer, model, out)
+    hyper, written = save_policy_and_optimizer(model, tokenizer, optimizer, out)
+    for name, entry in written.items():
+        writer.note_hashed(name, entry.size, entry.sha256)
     ran: dict[str, Any] = {"device": str(device), "train_s": round(trained_at - started, 3),
-           "write_s": round(time.monotonic() - trained_at, 3)}
+                           "write_s": round(time.monotonic() - trained_at, 3),
+                           "write_bytes": sum(entry.size for entry in written.values())}
     return per_step, hyper, ran, {"model": model, "tokenizer": tokenizer, "folder": folder, "optimizer": optimizer}
-
-
-def _train_on_workers(
-    ctx: PhaseContext, epoch: int, planned: dict[str, Any], samples: list[dict[str, Any]], single_step: bool,
-    first_step: int, resume_optimizer: bool, writer: UnitWriter,
-) -> tuple[list[dict[str, float]], dict[str, Any], dict[str, Any]]:
-    """Ray Train workers (``verl_tasks.train``) write into the attempt; the step hook runs here once they are done."""
-    result = train_on_workers(ctx, epoch, writer, policy_version=planned["policy_version"], samples=samples,
-                              first_step=first_step, seed=planned["update_seed"], single_step=single_step,
-                              resume_optimizer=resume_optimizer)
-    for step in range(1, len(result["per_step"]) + 1):
-        ctx.hook("update_step", epoch=epoch, step=step)
-    return result["per_step"], result["optimizer"], result["ran"]
 
 
 def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """Train policy version ``epoch`` on the epoch's samples; commit version ``epoch + 1``.
 
-    Runs in this process (one ddp worker), or on ``resources.update.workers`` Ray Train workers.
+    Runs in this process (one ddp worker), or on the resident group of ``resources.update.workers``
+    workers (``verl_tasks.train``).
 
     Raises:
         PhaseFailed: an input unit is missing, or a worker failed or timed out.
@@ -161,28 +139,22 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     trained: dict[str, Any] = {}
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
-        require(ctx, ctx.layout.validate(epoch), "validate")
-        planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
-        samples = load_epoch_samples(ctx, epoch)
+        source = read_update_source(ctx, epoch)
         res = cfg.phase_resources("update")
         writer.expect(*_update_files(res))
-        check_not_pruned(ctx.store, ctx.layout, planned["policy_version"])  # here, not in a worker: not retried
-        record = require(ctx, ctx.layout.snapshot(planned["policy_version"]), "snapshot")
-        first_step = read_json(ctx.store, record, TRAINER_STATE).get("step", 0) if TRAINER_STATE in record.files else 0
-        single_step = algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples)
-        # Only state this snapshot lists: a cached folder keyed by the weights may hold another's (a child's base).
-        state_id = optimizer_state_id(record)
         if res.distributed:
-            per_step, hyper, ran = _train_on_workers(ctx, epoch, planned, samples, single_step, first_step,
-                                                     state_id is not None, writer)
+            result = train_on_workers(ctx, source, writer)
+            per_step, hyper, ran = result["per_step"], result["optimizer"], result["ran"]
+            for step in range(1, len(per_step) + 1):
+                ctx.hook("update_step", epoch=epoch, step=step)
+            trained.update(handover=result.get("handover"), attempt=writer.attempt)
         else:
             with writer.folder() as out:  # written in place: the weights are written once per epoch
-                per_step, hyper, ran, kept = _train_here(ctx, epoch, planned, samples, single_step, first_step,
-                                                         state_id, out)
+                per_step, hyper, ran, kept = _train_here(ctx, source, out, writer)
             trained.update(kept, attempt=writer.attempt)
-        steps = len(per_step)
+        first_step, steps = source.first_step, len(per_step)
         lrs = [lr_at(step, **schedule_of(algo)) for step in range(first_step, first_step + steps)]
-        metrics = {**_epoch_metrics(per_step, samples), "actor/lr": lrs[-1]}
+        metrics = {**_epoch_metrics(per_step, source.samples), "actor/lr": lrs[-1]}
         writer.write_json("metrics.json", metrics)
         # Committed with the unit: a retried or cleared update replaces them, never adds a second copy.
         writer.write_jsonl(STEPS_FILE, step_records(per_step, first_step, lrs))
@@ -191,15 +163,18 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         # Not pinned (a run may resume on another worker count or strategy); results agree within float
         # tolerance across them and are byte-identical for one count and strategy, so both are recorded.
         # ``ran``: the device (rank 0's) and the seconds spent training and writing weights and optimizer state.
-        return {"metrics": metrics, "policy_version": planned["policy_version"] + 1, "update_workers": res.workers,
+        return {"metrics": metrics, "policy_version": source.policy_version + 1, "update_workers": res.workers,
                 "update_strategy": res.strategy.value, "ran": ran}
 
     committed_record = run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
     # The trained model is policy epoch + 1: the next epoch's units need not load it. Not when another
     # attempt's commit won the race: the record's checksums are of its bytes, not necessarily this model's.
-    if trained and committed_record.attempt == trained["attempt"]:
-        keep_policy(ctx, committed_record, trained["model"], trained["tokenizer"], trained["folder"],
-                    trained["optimizer"])
+    if trained.get("attempt") == committed_record.attempt:
+        if "model" in trained:
+            keep_policy(ctx, committed_record, trained["model"], trained["tokenizer"], trained["folder"],
+                        trained["optimizer"])
+        elif trained.get("handover") is not None:
+            publish_weights(ctx, committed_record, trained["handover"])
     return committed_record
 
 

@@ -1,6 +1,6 @@
 """The arithmetic of one update: the batch, minibatch order, micro-batches and their weights, the loss, the loop.
 
-Shared by the one-process update (``phases/update.py``) and the Ray Train workers
+Shared by the one-process update (``phases/update.py``) and the resident group's workers
 (``train/worker.py``), so both compute the same loss the same way: the one process is
 rank 0 of a world of 1. The model is called through
 :class:`verl_tasks.train.logprobs.ResponseLogProbs` (or DDP/FSDP2 around it), which never makes

@@ -52,7 +52,7 @@ class ObjectStore(abc.ABC):
         """Create ``key`` only if it does not exist. Returns False if it already existed."""
 
     def make_durable(self) -> None:
-        """Make what this process wrote durable now, before another process commits it (a Ray Train
+        """Make what this process wrote durable now, before another process commits it (an update
         worker's share of an update). The local store defers its attempt folders' fsyncs to the next
         marker written *in this process*; a write to S3 is durable once acknowledged: nothing to do."""
         return None  # deliberately a no-op by default (not abstract): stores that defer fsyncs override it

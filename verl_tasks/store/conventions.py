@@ -42,8 +42,13 @@ def optimizer_state_id(record: CommitRecord) -> str | None:
 
     An update and the snapshot that publishes it list the same bytes, so both give the same id.
     """
-    names = sorted(name for name in record.files if is_optimizer_state(name))
-    return " ".join(f"{name}:{record.files[name].sha256}" for name in names) or None
+    return optimizer_state_of({name: [entry.size, entry.sha256] for name, entry in record.files.items()})
+
+
+def optimizer_state_of(files: dict[str, Any]) -> str | None:
+    """``optimizer_state_id`` of files listed as ``{name: [size, sha256]}`` (what the update's workers wrote)."""
+    names = sorted(name for name in files if is_optimizer_state(name))
+    return " ".join(f"{name}:{files[name][1]}" for name in names) or None
 
 
 def read_latest(store: ObjectStore, layout: Layout) -> dict[str, Any] | None:

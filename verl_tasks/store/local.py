@@ -31,7 +31,7 @@ class LocalStore(ObjectStore):
     once (concurrent fsyncs share journal commits) and writes the marker only when
     every one has returned. Folders that other units share (the unit's,
     ``.attempts``, the epoch's) are synced when created. A process that hands its
-    attempt files to another to commit (a Ray Train worker) calls ``make_durable`` first."""
+    attempt files to another to commit (an update worker) calls ``make_durable`` first."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()

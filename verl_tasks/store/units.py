@@ -189,6 +189,7 @@ class UnitWriter:
         self.pin = pin
         self.files: dict[str, FileEntry] = {}
         self.expected: set[str] = set()
+        self._hashed: dict[str, FileEntry] = {}
 
     def _attempt_key(self, name: str) -> str:
         if "/" in name or name.startswith(".") or name == MARKER:
@@ -215,12 +216,21 @@ class UnitWriter:
     def folder(self) -> Iterator[Path]:
         """A local folder for files a library writes itself (an HF policy folder, optimizer state); each
         file in it becomes one of this attempt's when the block ends without an error. On a local store
-        the folder is inside the attempt's (files are renamed in, never copied); elsewhere it is uploaded."""
+        the folder is inside the attempt's (files are renamed in, never copied); elsewhere it is uploaded.
+        A file whose size and sha256 were noted while it was written (``note_hashed``) is not read back."""
         with self.store.staging(f"{self.unit}/{ATTEMPTS}/{self.attempt}") as stage:
+            self._hashed.clear()
             yield stage
             for path in sorted(p for p in stage.iterdir() if p.is_file()):
                 self._attempt_key(path.name)  # a name the attempt may hold
-                self.files[path.name] = FileEntry(path.stat().st_size, sha256_file(path))
+                size = path.stat().st_size
+                noted = self._hashed.pop(path.name, None)
+                self.files[path.name] = noted if noted is not None and noted.size == size else \
+                    FileEntry(size, sha256_file(path))
+
+    def note_hashed(self, name: str, size: int, sha256: str) -> None:
+        """The size and sha256 of a file of the current ``folder()`` block, computed as it was written."""
+        self._hashed[name] = FileEntry(size, sha256)
 
     def copy_from(self, record: CommitRecord, name: str, as_name: str | None = None) -> None:
         """Copy a verified file of another committed unit into this attempt (server-side)."""

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,10 @@ from safetensors import safe_open
 from verl_tasks.config import ExperimentConfig, MixedPrecision, Resources
 from verl_tasks.errors import IntegrityError
 from verl_tasks.models.checkpoint import WEIGHTS, local_rows, refuse_pickles
+from verl_tasks.models.safetensors_io import TensorSpec, TensorWriter, Written
 from verl_tasks.train.logprobs import ResponseLogProbs
 
 log = logging.getLogger(__name__)
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def replicated(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -38,6 +37,13 @@ def replicated(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
     model.to(device)
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def process_group_backend(use_gpu: bool) -> str:
+    """The torch.distributed backend of the update's workers: ``gloo`` on CPU; on GPUs NCCL for CUDA
+    tensors *and* gloo for CPU ones (``cpu:gloo,cuda:nccl``), since some collectives run on host memory
+    (FSDP2 with ``cpu_offload``: the gradient norm and the full weights are computed from CPU shards)."""
+    return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
 
 
 def compute_dtype(config: ExperimentConfig) -> str:
@@ -144,37 +150,26 @@ def load_local_rows(model: torch.nn.Module, folder: Path) -> None:
         local.copy_(handle.get_slice(name)[start:stop])
 
 
-def write_full_weights(model: torch.nn.Module, path: Path | None) -> None:
-    """Gather the full weights one parameter at a time; the writer (``path`` given) streams them to safetensors.
+def write_full_weights(model: torch.nn.Module, path: Path | None, *, keep: bool = False
+                       ) -> tuple[Written, list[tuple[str, torch.Tensor]]] | None:
+    """Gather the full weights one parameter at a time; the writer (``path`` given) streams them to safetensors,
+    hashing as it writes.
 
-    Every worker must call this (each parameter is an all-gather); only one passes a path.
-    Parameters as ``named_parameters`` lists them: a tied weight once, as HF saves it.
+    Every worker must call this (each parameter is an all-gather); only one passes a path, and gets the
+    file's size and sha256 back, with the gathered tensors (on the CPU) when ``keep``: the weights'
+    in-memory handover. Parameters as ``named_parameters`` lists them: a tied weight once, as HF saves it.
     """
     params = list(model.named_parameters())
-    out = open(path, "wb") if path is not None else None
-    try:
-        if out is not None:
-            out.write(_header(params))
-        with torch.no_grad():
-            for _name, param in params:
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
-                if out is not None:
-                    out.write(full.cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
-                del full
-    finally:
-        if out is not None:
-            out.close()
-
-
-def _header(params: Sequence[tuple[str, torch.Tensor]]) -> bytes:
-    """The safetensors header (length prefix + JSON, padded to 8 bytes) for tensors written in this order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, param in params:
-        size = param.numel() * param.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[param.dtype], "shape": list(param.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    return struct.pack("<Q", len(body)) + body
+    writer = TensorWriter(path, [TensorSpec(n, p.dtype, tuple(p.shape)) for n, p in params], {"format": "pt"}) \
+        if path is not None else None
+    kept: list[tuple[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for name, param in params:
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            if writer is not None:
+                host = full.cpu()
+                writer.write(host)
+                if keep:
+                    kept.append((name, host))
+            del full
+    return None if writer is None else (writer.close(), kept)

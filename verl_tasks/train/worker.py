@@ -1,34 +1,51 @@
-"""The loop every Ray Train worker of the update runs (``train_loop_per_worker``).
+"""One worker of the update's resident group (a Ray actor; :mod:`verl_tasks.train.group` forms the group).
 
-Each worker loads policy version ``v`` (the whole model for ddp, only its rows for
-fsdp2) in ``model.train_dtype``, computes the old and reference log-probs of its
-contiguous share of the epoch's rows in micro-batches and all-gathers them, then takes
-its contiguous share of every minibatch (the same seeded permutation as one process),
-in micro-batches of ``resources.update.micro_batch_size`` rows. Each micro-batch's loss
-is weighted by its share of the minibatch's tokens (``token-mean``) or sequences
-(``seq-mean-*``) times the worker count (``update_steps.micro_batches``), so the
-framework's gradient *average* (DDP's all-reduce, FSDP2's reduce-scatter) is the
-one-process gradient of the whole minibatch up to float summation order. Every worker
-then clips and steps. Tensors handed to collectives live on the worker's device (the
-process group is ``cpu:gloo,cuda:nccl`` on GPUs, ``launch.process_group_backend``).
+Each worker holds policy version ``v`` (the whole model for ddp, only its rows for fsdp2) in
+``model.train_dtype``, computes the old and reference log-probs of its contiguous share of the
+epoch's rows in micro-batches and all-gathers them, then takes its contiguous share of every
+minibatch (the same seeded permutation as one process), in micro-batches of
+``resources.update.micro_batch_size`` rows. Each micro-batch's loss is weighted by its share of
+the minibatch's tokens (``token-mean``) or sequences (``seq-mean-*``) times the worker count
+(``update_steps.micro_batches``), so the framework's gradient *average* (DDP's all-reduce,
+FSDP2's reduce-scatter) is the one-process gradient of the whole minibatch up to float
+summation order. Every worker then clips and steps. Tensors handed to collectives live on the
+worker's device (``cpu:gloo,cuda:nccl`` on GPUs, ``sharding.process_group_backend``).
 
-Outputs go straight to the unit's attempt prefix in the store: ddp: rank 0 writes the
-HF folder and the optimizer state; fsdp2: the full weights gathered once and streamed
-by rank 0, and every rank its own optimizer shard. Rank 0 hands the file list, the
-metric sums and the step count to the driver, which commits (``phases/update.py``).
+**Resident state.** After an update the worker keeps the model it trained, its AdamW state and
+the tokenizer, keyed by the checksums of the bytes it wrote (the weights' sha256 and the
+optimizer files' checksums: what the committed snapshot lists when this attempt's commit won),
+with the strategy, dtypes, device and AdamW's betas and weight decay. A unit that starts from a
+policy with that key trains on it and reads nothing from the store; any other key (another
+version, a retried epoch, a cleared task, a fork, a commit won by another attempt with other
+bytes) loads from the store. The ranks agree first (an all-reduce) that every one holds the
+key, so all take the same branch. The state is forgotten before training starts and keyed
+again only once this attempt's files are written: a failure half-way leaves nothing that could
+pass for a committed version. The frozen KL reference stays resident the same way, keyed by the
+base weights' sha256.
+
+**Outputs** go straight to the unit's attempt in the store, each file hashed while it is
+written: ddp, rank 0 writes the HF folder and the optimizer state; fsdp2, the full weights
+gathered one parameter at a time and streamed by rank 0, and every rank its own optimizer
+shard. Rank 0 also puts the new weights into Ray's object store (``handover``) for rollout
+and evaluation workers elsewhere, and returns the file list, the metric sums and the step
+count to the driver, which commits (``phases/update.py``).
 """
 from __future__ import annotations
 
 import json
-import shutil
+import logging
+import os
 import time
-from pathlib import Path
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+import ray
 import torch
 
 from verl_tasks import hooks as process_hooks
-from verl_tasks.config import UpdateStrategy, parse_config
+from verl_tasks.config import ExperimentConfig, UpdateStrategy, parse_config
+from verl_tasks.models import handover
 from verl_tasks.models.checkpoint import (
     OPTIMIZER_INDEX,
     WEIGHTS,
@@ -36,68 +53,167 @@ from verl_tasks.models.checkpoint import (
     load_policy,
     optimizer_index,
     optimizer_shard_name,
-    save_optimizer,
+    save_configs,
     save_optimizer_shard,
-    save_policy,
+    save_policy_and_optimizer,
 )
+from verl_tasks.models.safetensors_io import unique_state
 from verl_tasks.phases.common import PhaseContext, deterministic_kernels, policy_folder
+from verl_tasks.phases.update_inputs import PolicyState, UpdateSource
 from verl_tasks.phases.update_steps import UpdateInputs, autocast_dtype, epoch_inputs, frozen_logprobs, train_steps
 from verl_tasks.store import store_for
-from verl_tasks.store.conventions import METRICS, TRAINER_STATE, is_optimizer_state
+from verl_tasks.store.conventions import optimizer_state_of
 from verl_tasks.store.units import UnitWriter
 from verl_tasks.train import sharding
 from verl_tasks.train.logprobs import ResponseLogProbs
 
-
-def train_loop(job: dict[str, Any]) -> None:
-    """One worker's whole update; ``job`` is what ``launch.train_on_workers`` built (plain values)."""
-    import ray.train
-    from ray.train.torch import get_device
-    from transformers import AutoTokenizer
-
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    config = parse_config(job["config"])
-    torch.set_num_threads(max(1, config.torch_threads // world))
-    deterministic_kernels()
-    ctx = PhaseContext(config, store_for(config))
-    algo, temperature = config.algorithm, config.rollout.temperature
-    device = get_device()
-    folder = policy_folder(ctx, job["policy_version"])[0]
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    inputs = epoch_inputs(job["samples"], tokenizer.pad_token_id, algo.norm_adv_by_std).to(device)
-
-    micro = config.phase_resources("update").micro_batch_size
-    model, core = build(folder, config, device, world, train=True)
-    optimizer = torch.optim.AdamW(core.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
-    if job["resume_optimizer"]:
-        load_optimizer(optimizer, core, folder)
-    if not job["single_step"]:
-        inputs.old_logp = sharded_logprobs(model, inputs, temperature, micro, rank, world)
-    if algo.kl_type.value != "none":
-        ref = build(policy_folder(ctx, 0)[0], config, device, world, train=False)[0]
-        inputs.ref_logp = sharded_logprobs(ref, inputs, temperature, micro, rank, world)
-        del ref
-
-    def on_step(step: int) -> None:
-        process_hooks.fire("update_worker_step", experiment=config.experiment, epoch=job["epoch"], rank=rank,
-                           step=step)
-
-    started = time.monotonic()
-    per_step = train_steps(model, optimizer, inputs, algo, temperature, job["seed"], on_step, job["first_step"],
-                           micro_batch_size=micro, rank=rank, world=world)
-    per_step = sum_over_workers(per_step, device)
-    trained_at = time.monotonic()
-    writer = UnitWriter(ctx.store, job["unit"], job["attempt"])
-    hyper = save_outputs(model, core, optimizer, tokenizer, folder, writer, rank, world)
-    files = gather_files(writer, world)
-    if rank == 0:
-        ran = {"device": str(device), "train_s": round(trained_at - started, 3),
-               "write_s": round(time.monotonic() - trained_at, 3)}
-        job["results"].put({"files": files, "per_step": per_step, "optimizer": hyper, "ran": ran})
+log = logging.getLogger(__name__)
 
 
-def build(folder: Path, config: Any, device: torch.device, world: int, *,
+@dataclass
+class Resident:
+    """A trained policy this worker keeps between units, and what it must equal to be used."""
+
+    key: tuple
+    model: torch.nn.Module  # what the update calls (DDP or the FSDP2 root around a ResponseLogProbs)
+    core: torch.nn.Module  # the causal LM, whose parameter names the checkpoints use
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+
+
+class UpdateWorker:
+    """Rank ``rank`` of a group of ``world``; ``group`` names the group it was formed in."""
+
+    def __init__(self, rank: int, world: int, group: str) -> None:
+        from verl_tasks.quiet import quiet_own_process
+
+        quiet_own_process()
+        logging.getLogger().setLevel(logging.INFO)
+        self.rank, self.world, self.group = rank, world, group
+        self.policy: Resident | None = None
+        self.reference: tuple[tuple, torch.nn.Module] | None = None
+        self.device = self._device()
+
+    @staticmethod
+    def _device() -> torch.device:
+        """``cuda:0`` when Ray gave this actor a GPU (its only visible one) and CUDA works, else the CPU."""
+        return torch.device("cuda", 0) if ray.get_gpu_ids() and torch.cuda.is_available() else torch.device("cpu")
+
+    @ray.method(concurrency_group="work")
+    def rendezvous(self) -> str:
+        """``host:port`` for the group's TCP store (asked of rank 0): this node's address and a free port."""
+        import socket
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return f"{host}:{sock.getsockname()[1]}"
+
+    @ray.method(concurrency_group="work")
+    def join(self, address: str, timeout_s: float) -> dict[str, Any]:
+        """Join the group's process group (every rank calls this at once); returns where this rank runs."""
+        import torch.distributed as dist
+
+        backend = sharding.process_group_backend(self.device.type == "cuda")
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=timeout_s))
+        return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "device": str(self.device), "backend": backend}
+
+    @ray.method(concurrency_group="control")
+    def describe(self) -> dict[str, Any]:
+        """The group it belongs to and what it holds (answered while a unit runs: its own thread)."""
+        return {"group": self.group, "rank": self.rank, "pid": os.getpid(),
+                "holds": None if self.policy is None else self.policy.key[0]}
+
+    @ray.method(concurrency_group="work")
+    def train(self, job: dict[str, Any]) -> dict[str, Any]:
+        """This worker's whole update of one attempt (``group.train_on_workers`` built ``job``)."""
+        config = parse_config(job["config"])
+        source: UpdateSource = job["source"]
+        torch.set_num_threads(max(1, config.torch_threads // self.world))
+        deterministic_kernels()
+        ctx = PhaseContext(config, store_for(config))
+        algo, temperature = config.algorithm, config.rollout.temperature
+        micro = config.phase_resources("update").micro_batch_size
+        started = time.monotonic()
+        model, core, optimizer, tokenizer, how = self._policy(ctx, config, source.start)
+        inputs = epoch_inputs(source.samples, tokenizer.pad_token_id, algo.norm_adv_by_std).to(self.device)
+        if not source.single_step:
+            inputs.old_logp = sharded_logprobs(model, inputs, temperature, micro, self.rank, self.world)
+        if source.reference is not None:
+            ref = self._reference(ctx, config, source.reference)
+            inputs.ref_logp = sharded_logprobs(ref, inputs, temperature, micro, self.rank, self.world)
+
+        def on_step(step: int) -> None:
+            process_hooks.fire("update_worker_step", experiment=config.experiment, epoch=source.epoch,
+                               rank=self.rank, step=step)
+
+        loaded_at = time.monotonic()
+        per_step = train_steps(model, optimizer, inputs, algo, temperature, source.update_seed, on_step,
+                               source.first_step, micro_batch_size=micro, rank=self.rank, world=self.world)
+        per_step = sum_over_workers(per_step, self.device)
+        trained_at = time.monotonic()
+        writer = UnitWriter(ctx.store, job["unit"], job["attempt"])
+        hyper, handed = save_outputs(model, core, optimizer, tokenizer, writer, self.rank, self.world)
+        files = gather_files(writer, self.world)
+        self.policy = Resident(self._key(config, files[WEIGHTS][1], optimizer_state_of(files)), model, core,
+                               optimizer, tokenizer)
+        if self.rank != 0:
+            return {"rank": self.rank}
+        ran = {"device": str(self.device), "policy": how, "load_s": round(loaded_at - started, 3),
+               "train_s": round(trained_at - loaded_at, 3), "write_s": round(time.monotonic() - trained_at, 3),
+               "write_bytes": sum(size for size, _sha in files.values())}
+        return {"files": files, "per_step": per_step, "optimizer": hyper, "ran": ran, "handover": handed}
+
+    def _key(self, config: ExperimentConfig, weights_sha256: str, optimizer_state: str | None) -> tuple:
+        """What a resident policy must equal to be trained on: the bytes it equals, and how it is held."""
+        algo, res = config.algorithm, config.phase_resources("update")
+        return ((weights_sha256, optimizer_state), res.strategy.value, config.model.train_dtype,
+                sharding.compute_dtype(config), str(self.device), tuple(algo.betas), algo.weight_decay)
+
+    def _policy(self, ctx: PhaseContext, config: ExperimentConfig, start: PolicyState
+                ) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, Any, str]:
+        """The policy to train: the resident one when every rank holds exactly ``start``, else from the store."""
+        held, self.policy = self.policy, None  # forgotten until this attempt's files are written
+        want = self._key(config, *start.key)
+        if all_agree(held is not None and held.key == want, self.device):
+            assert held is not None
+            return held.model, held.core, held.optimizer, held.tokenizer, "resident"
+        del held  # its memory goes before the store's copy is loaded
+        from transformers import AutoTokenizer
+
+        algo = config.algorithm
+        folder = policy_folder(ctx, start.version, start.record)[0]
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model, core = build(folder, config, self.device, self.world, train=True)
+        optimizer = torch.optim.AdamW(core.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
+        if start.optimizer_state is not None:
+            load_optimizer(optimizer, core, folder)
+        return model, core, optimizer, tokenizer, "store"
+
+    def _reference(self, ctx: PhaseContext, config: ExperimentConfig, base: PolicyState) -> torch.nn.Module:
+        """The frozen KL reference (the base policy in ``model.dtype``), kept resident by its weights' sha256."""
+        key = (base.weights_sha256, config.phase_resources("update").strategy.value, config.model.dtype,
+               str(self.device))
+        if not all_agree(self.reference is not None and self.reference[0] == key, self.device):
+            self.reference = None
+            folder = policy_folder(ctx, base.version, base.record)[0]
+            self.reference = (key, build(folder, config, self.device, self.world, train=False)[0])
+        assert self.reference is not None
+        return self.reference[1]
+
+
+def all_agree(mine: bool, device: torch.device) -> bool:
+    """True only when every rank says True (an all-reduce of the minimum)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if mine else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def build(folder: Any, config: Any, device: torch.device, world: int, *,
           train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module to call: a ``ResponseLogProbs``, wrapped; the causal LM whose parameter names the
     checkpoints use) for the strategy.
@@ -149,38 +265,40 @@ def sum_over_workers(per_step: list[dict[str, float]], device: torch.device) -> 
 
 
 def save_outputs(model: torch.nn.Module, core: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
-                 folder: Path, writer: UnitWriter, rank: int, world: int) -> dict[str, Any]:
-    """Write this worker's share of the unit's files into the attempt; returns the optimizer hyperparameters."""
+                 writer: UnitWriter, rank: int, world: int) -> tuple[dict[str, Any], Any]:
+    """Write this worker's share of the unit's files into the attempt, each hashed as it is written.
+
+    Returns the optimizer hyperparameters and, on rank 0, the new weights' handover (None elsewhere).
+    """
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     hyper: dict[str, Any] = {}
+    handed = None
     with writer.folder() as out:  # this worker's own staging folder: ranks never see each other's files
         if not isinstance(model, FSDPModule):  # ddp: rank 0 holds everything
             if rank == 0:
-                core.eval()
-                save_policy(core, tokenizer, out)
-                hyper = save_optimizer(optimizer, core, out)
+                hyper, written = save_policy_and_optimizer(core, tokenizer, optimizer, out)
+                handed = handover.put_weights(unique_state(core), written[WEIGHTS].sha256)
+                for name, entry in written.items():
+                    writer.note_hashed(name, entry.size, entry.sha256)
         else:
-            sharding.write_full_weights(core, out / WEIGHTS if rank == 0 else None)
-            rows = save_optimizer_shard(optimizer, core, out / optimizer_shard_name(rank))
+            tensors = sharding.write_full_weights(core, out / WEIGHTS if rank == 0 else None, keep=rank == 0)
+            rows, shard = save_optimizer_shard(optimizer, core, out / optimizer_shard_name(rank))
+            writer.note_hashed(optimizer_shard_name(rank), shard.size, shard.sha256)
             every: list[Any] = [None] * world
             dist.all_gather_object(every, rows)
             if rank == 0:
-                copy_policy_files(folder, out)
+                assert tensors is not None
+                weights, named = tensors
+                writer.note_hashed(WEIGHTS, weights.size, weights.sha256)
+                handed = handover.put_weights(named, weights.sha256)
+                save_configs(core, tokenizer, out)
                 index = optimizer_index(optimizer, {optimizer_shard_name(r): every[r] for r in range(world)})
                 (out / OPTIMIZER_INDEX).write_text(json.dumps(index, sort_keys=True, indent=1))
                 hyper = {"param_groups": index["param_groups"]}
     writer.store.make_durable()  # the driver writes the marker, in another process
-    return hyper
-
-
-def copy_policy_files(folder: Path, out: Path) -> None:
-    """The HF config, generation config and tokenizer files of the version trained (weights written apart)."""
-    for path in sorted(folder.iterdir()):
-        skip = path.name in (WEIGHTS, TRAINER_STATE, METRICS, "model.safetensors.index.json")
-        if path.is_file() and not skip and not is_optimizer_state(path.name) and not path.name.startswith("."):
-            shutil.copyfile(path, out / path.name)
+    return hyper, handed
 
 
 def gather_files(writer: UnitWriter, world: int) -> dict[str, list]:

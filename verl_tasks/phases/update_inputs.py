@@ -1,0 +1,96 @@
+"""An epoch's update inputs, read from the store once, before any compute.
+
+The update reads many committed units: the validate marker (the gate passed), the plan (which
+policy version it trains, its seed), every rollout and score batch the epoch did not skip, and
+the snapshot of the policy version (its weights' and optimizer state's checksums, the global
+step). ``read_update_source`` reads each once, checks the policy version was not pruned, and
+returns one plain object that both the one-process update and the resident workers take; nothing
+after it reads an input unit again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from verl_tasks.phases.common import PhaseContext, require
+from verl_tasks.phases.validate import epoch_batches
+from verl_tasks.store.conventions import TRAINER_STATE, WEIGHTS, check_not_pruned, optimizer_state_id
+from verl_tasks.store.units import CommitRecord, read_json, read_jsonl
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Which committed policy an update starts from: its snapshot's record. A resident copy of a policy is
+    used only when it was made from exactly the bytes this names (``key``: the weights' sha256 and the
+    optimizer state's checksums, None for a base snapshot, which has none)."""
+
+    version: int
+    record: CommitRecord
+
+    @property
+    def weights_sha256(self) -> str:
+        return self.record.files[WEIGHTS].sha256
+
+    @property
+    def optimizer_state(self) -> str | None:
+        return optimizer_state_id(self.record)
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        return self.weights_sha256, self.optimizer_state
+
+
+@dataclass(frozen=True)
+class UpdateSource:
+    """Everything the update of ``epoch`` reads.
+
+    ``samples``: the epoch's rollout samples joined with their scores, in (batch, sample) order,
+    skipped batches left out. ``start``: the policy trained; ``reference``: the base policy the KL
+    term compares with (None without KL). ``first_step``: the global optimizer step it starts from.
+    ``single_step``: the epoch is one optimizer step over all samples, so the old log-probs are the
+    step's own.
+    """
+
+    epoch: int
+    update_seed: int
+    samples: list[dict[str, Any]]
+    start: PolicyState
+    reference: PolicyState | None
+    first_step: int
+    single_step: bool
+
+    @property
+    def policy_version(self) -> int:
+        return self.start.version
+
+
+def read_update_source(ctx: PhaseContext, epoch: int) -> UpdateSource:
+    """Read the update's inputs (one read per input unit).
+
+    Raises:
+        PhaseFailed: an input unit is not committed (naming the task to run first).
+        SnapshotPruned: retention removed the weights of the policy version to train.
+    """
+    algo = ctx.config.algorithm
+    require(ctx, ctx.layout.validate(epoch), "validate")
+    planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
+    version = int(planned["policy_version"])
+    samples: list[dict[str, Any]] = []
+    for b in epoch_batches(ctx, epoch):
+        rows = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, b), "rollout"), "samples.jsonl")
+        scored = read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")
+        scores = {r["sample_id"]: r["score"] for r in scored}
+        samples.extend({**row, "score": scores[row["sample_id"]]} for row in rows)
+    check_not_pruned(ctx.store, ctx.layout, version)  # here, not in a worker: not retried
+    record = require(ctx, ctx.layout.snapshot(version), "snapshot")
+    first_step = read_json(ctx.store, record, TRAINER_STATE).get("step", 0) if TRAINER_STATE in record.files else 0
+    reference = None
+    if algo.kl_type.value != "none":
+        base = record if version == 0 else require(ctx, ctx.layout.snapshot(0), "plan (base snapshot)")
+        reference = PolicyState(0, base)
+    return UpdateSource(epoch=epoch, update_seed=int(planned["update_seed"]), samples=samples,
+                        start=PolicyState(version, record), reference=reference, first_step=int(first_step),
+                        single_step=algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples))
+
+
+__all__ = ["PolicyState", "UpdateSource", "read_update_source"]
