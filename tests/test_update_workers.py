@@ -265,3 +265,30 @@ def test_the_optimizer_index_check_finds_gaps_overlaps_and_missing_shards():
     short = {"shards": {"a": {"w": [0, 3, 5, 2]}}}
     for index in (gap, overlap, short):
         assert len(check_optimizer_index(index, set(index["shards"]))) == 1, index
+
+
+def test_the_group_trains_on_what_it_holds_only_when_it_is_the_committed_input(updated, tmp_path, fault_hooks):
+    """A first attempt trains on the store's policy and fails after its work, before its commit: the group
+    then holds weights nothing committed, so the retry (which starts from policy 0 again) reads the store
+    and commits the bytes an unfailed attempt commits. The next epoch starts from exactly what the group
+    holds and trains on it without reading the store."""
+    reference = updated["w2-ddp"]
+    shutil.copytree(updated.root / "validated", tmp_path / "store")
+    ctx = _ctx(tmp_path / "store", 2)
+    failed: list[str] = []
+
+    def fail_first_commit(*, phase: str, **_) -> None:
+        if phase == "update" and not failed:
+            failed.append(phase)
+            raise RuntimeError("injected: the attempt fails after its work")
+
+    fault_hooks["before_commit"] = fail_first_commit
+    with pytest.raises(RuntimeError, match="injected"):
+        run_phase(ctx, "update", 0)
+    run_phase(ctx, "update", 0)
+    got, want = (read_marker(c.store, c.layout.update(0)) for c in (ctx, reference))
+    assert got.meta["ran"]["policy"] == "store"
+    assert got.files[WEIGHTS].sha256 == want.files[WEIGHTS].sha256
+    run_phase(ctx, "snapshot", 0)
+    _run_epoch(ctx, 1, "update")
+    assert read_marker(ctx.store, ctx.layout.update(1)).meta["ran"]["policy"] == "resident"
