@@ -1,11 +1,12 @@
 """A SmolLM2-135M epoch through verl-tasks (inline) beside a hand-written GRPO loop doing the same work.
 
-    .venv/bin/python benchmarks/smollm2_epoch.py [--repeats 5] [--output BENCHMARKS.md]
+    .venv/bin/python benchmarks/smollm2_epoch.py [--repeats 5] [--micro N] [--output BENCHMARKS.md]
 
 Both sides: SmolLM2-135M-Instruct (float32, the imported HF folder), 16 chat prompts x 4 samples of
 at most 12 new tokens from HF ``generate`` at temperature 1, the last-integer reward, GRPO
-advantages, one AdamW step (lr 5e-6) over the 64 sequences in micro-batches of 16, 2 torch
-threads. The hand loop keeps everything in memory and writes nothing. The verl-tasks epoch is
+advantages, one AdamW step (lr 5e-6) over the 64 sequences in one forward and backward (as one
+writes it when memory allows; ``--micro N``: in micro-batches of N, both sides), 2 torch threads.
+The hand loop keeps everything in memory and writes nothing. The verl-tasks epoch is
 ``dags/experiments/smollm2_arith.yaml`` without evaluation, run by the runner ``verl-tasks run``
 uses (``run_in_process``): plan, rollout, score (the reward in its sandbox process), validate (the
 Great Expectations gate), update (weights and AdamW state written, fsynced and hashed into the
@@ -28,13 +29,13 @@ sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "dags" / "experiments" / "smollm2_arith.yaml"
 MODEL = ROOT / ".models" / "smollm2-135m-instruct"
 OWNER = "benchmarks/smollm2_epoch.py"
-PROMPTS, GROUP, NEW_TOKENS, MICRO, LR, THREADS = 16, 4, 12, 16, 5e-6, 2
+PROMPTS, GROUP, NEW_TOKENS, LR, THREADS = 16, 4, 12, 5e-6, 2
 
 
 class HandLoop:
     """GRPO as one would write it by hand: generate, score, advantages, one accumulated clipped-loss step."""
 
-    def __init__(self) -> None:
+    def __init__(self, micro: int | None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -47,6 +48,7 @@ class HandLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.rows = arith_rows(3, "train", 2000, chat=True)
         self.epoch = 0
+        self.micro = micro or PROMPTS * GROUP
 
     def step(self) -> None:
         from verl_tasks.data import prompt_text
@@ -78,8 +80,8 @@ class HandLoop:
         tokens = resp_mask.sum()
         self.model.train()
         self.optimizer.zero_grad()
-        for start in range(0, len(out), MICRO):
-            part = slice(start, start + MICRO)
+        for start in range(0, len(out), self.micro):
+            part = slice(start, start + self.micro)
             logits = self.model(input_ids=out[part], attention_mask=full_mask[part]).logits[:, width - 1: -1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, responses[part].unsqueeze(-1)).squeeze(-1)
             ratio = torch.exp(logp - logp.detach())
@@ -93,14 +95,14 @@ class HandLoop:
 class InlineEpochs:
     """verl-tasks on the same work; one call = one committed epoch through ``run_in_process``, no evaluation."""
 
-    def __init__(self, store: Path, epochs: int) -> None:
+    def __init__(self, store: Path, epochs: int, micro: int | None) -> None:
         from verl_tasks.config import load_config
         from verl_tasks.runner import make_context
 
         config = load_config(CONFIG, {
             "experiment": "bench-smollm2-epoch", "storage.uri": f"file://{store}", "epochs": epochs,
             "torch_threads": THREADS, "model.name_or_path": str(MODEL), "evaluate.every": 0,
-            "resources.update.micro_batch_size": MICRO, "algorithm.lr": LR})
+            "resources.update.micro_batch_size": micro, "algorithm.lr": LR})
         self.ctx = make_context(config)
         self.epoch = 0
 
@@ -122,12 +124,14 @@ def phase_split(ctx, epochs: range) -> tuple[dict[str, float], dict[str, float]]
             per_phase.setdefault(event["phase"], []).append(event["duration_s"])
     ran = [read_marker(ctx.store, ctx.layout.update(e)).meta["ran"] for e in epochs]
     update = {key: round(statistics.median(r[key] for r in ran), 2) for key in ("train_s", "write_s")}
+    update["write_bytes"] = statistics.median(r.get("write_bytes", 0) for r in ran)
     return {p: round(statistics.median(v), 2) for p, v in per_phase.items()}, update
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--micro", type=int, default=None, help="sequences per forward/backward; default: all")
     parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
     import logging
@@ -141,7 +145,7 @@ def main() -> None:
     import_gguf(packaged_smollm2(), MODEL)
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory() as tmp:
-        hand, inline = HandLoop(), InlineEpochs(Path(tmp) / "store", args.repeats + 1)
+        hand, inline = HandLoop(args.micro), InlineEpochs(Path(tmp) / "store", args.repeats + 1, args.micro)
         hand.step()
         inline.step()  # epoch 0 also pins the data and writes the base snapshot: not timed
         hand_s, inline_s = [], []
@@ -161,8 +165,9 @@ def main() -> None:
         f"Produced by `{command.strip()}` on {platform.machine()} with {os.cpu_count()} cores, "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}: {args.repeats} epochs each, alternating in one process "
         f"after one warm-up epoch each; medians. Same work on both sides: {PROMPTS} chat prompts x {GROUP} samples, "
-        f"{NEW_TOKENS} new tokens (HF generate), the last-integer reward, one AdamW step in micro-batches of "
-        f"{MICRO}; verl-tasks also commits every unit (weights and AdamW state written, fsynced, hashed) and runs "
+        f"{NEW_TOKENS} new tokens (HF generate), the last-integer reward, one AdamW step "
+        + (f"in micro-batches of {args.micro}" if args.micro else "in one forward and backward over the 64 sequences")
+        + "; verl-tasks also commits every unit (weights and AdamW state written, fsynced, hashed) and runs "
         "the quality gate. No evaluation on either side.",
         "",
         "| | seconds per epoch (median) | each epoch |",
@@ -174,7 +179,9 @@ def main() -> None:
         "Where the verl-tasks epoch goes (median seconds per unit, from the committed events): "
         + ", ".join(f"{phase} {seconds}" for phase, seconds in phases.items())
         + f"; inside the update: training {update['train_s']} s, writing weights and AdamW state "
-          f"{update['write_s']} s.",
+          f"{update['write_s']} s ({update['write_bytes'] / 1e6:.0f} MB, hashed as written, "
+          f"{update['write_bytes'] / 1e6 / max(update['write_s'], 1e-9):.0f} MB/s; "
+          f"{100 * update['write_s'] / phases.get('update', float('nan')):.0f}% of the update unit).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -95,6 +95,7 @@ def _train_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: Unit
     """
     cfg, algo = ctx.config, ctx.config.algorithm
     version = source.policy_version
+    begun = time.monotonic()
     # The base is read again after this update (the KL reference, its evaluation): train a copy of it,
     # unless those readers load it in another dtype (model.dtype) than the one trained (model.train_dtype).
     base_again = (version == 0 and (source.reference is not None or committed(ctx, ctx.layout.base_evaluate) is None)
@@ -118,7 +119,8 @@ def _train_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: Unit
     hyper, written = save_policy_and_optimizer(model, tokenizer, optimizer, out)
     for name, entry in written.items():
         writer.note_hashed(name, entry.size, entry.sha256)
-    ran: dict[str, Any] = {"device": str(device), "train_s": round(trained_at - started, 3),
+    ran: dict[str, Any] = {"device": str(device), "load_s": round(started - begun, 3),
+                           "train_s": round(trained_at - started, 3),
                            "write_s": round(time.monotonic() - trained_at, 3),
                            "write_bytes": sum(entry.size for entry in written.values())}
     return per_step, hyper, ran, {"model": model, "tokenizer": tokenizer, "folder": folder, "optimizer": optimizer}

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 # init_process_group's timeout: also the limit of every collective (a rank stuck that long fails).
 COLLECTIVE_TIMEOUT_S = 1800.0
-DESCRIBE_S = 10.0
+# A dead actor answers at once (with an error); this bounds only a rank too busy or wedged to answer.
+DESCRIBE_S = 60.0
 WAIT_SLICE_S = 0.2
 
 
@@ -188,7 +189,8 @@ def _alive(group: WorkerGroup) -> bool:
 
     try:
         answers = ray.get([a.describe.remote() for a in group.actors], timeout=DESCRIBE_S)
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+        log.warning("update worker group %s is not whole (%s)", group.name, type(err).__name__)
         return False
     return [a["group"] for a in answers] == [group.name] * len(group.actors)
 
