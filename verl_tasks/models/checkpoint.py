@@ -10,6 +10,8 @@ each file holds, so a snapshot resumes on any number of workers and either strat
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,6 +61,24 @@ def save_policy(model: Any, tokenizer: Any, folder: Path) -> dict[str, Written]:
     return {WEIGHTS: write_tensors(folder / WEIGHTS, unique_state(model), {"format": "pt"})}
 
 
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device (no memory, no initialisation); buffers stay real (rotary
+    tables are made at init)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":  # tied weights arrive on meta already
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]  # for this block only
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def load_policy(folder: Path, dtype: str = "float32", state: dict[str, torch.Tensor] | None = None
                 ) -> tuple[torch.nn.Module, Any]:
     """The causal LM and tokenizer of an HF policy folder, in ``dtype``; the weights from ``state`` when
@@ -69,13 +89,15 @@ def load_policy(folder: Path, dtype: str = "float32", state: dict[str, torch.Ten
     hf_logging.disable_progress_bar()
     refuse_pickles(folder)
     if state is not None:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
-            {name for name, _ in model.named_parameters()}
-        if unexpected or set(missing) - tied:
-            raise IntegrityError(str(folder), [f"handed-over weights do not fit the model: missing "
-                                               f"{sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}"])
+        with params_on_meta():  # no random initialisation of weights about to be replaced
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
+        owned = {name: tensor.to(getattr(torch, dtype), copy=True) for name, tensor in state.items()}
+        _missing, unexpected = model.load_state_dict(owned, strict=False, assign=True)
+        model.tie_weights()  # a tied head is not in the state: it points at the embedding again
+        empty = [name for name, param in model.named_parameters() if param.is_meta]
+        if unexpected or empty:
+            raise IntegrityError(str(folder), [f"handed-over weights do not fit the model: missing {empty[:3]}, "
+                                               f"unexpected {unexpected[:3]}"])
     else:
         if not (folder / WEIGHTS).exists() and not any(folder.glob("model-*.safetensors")):
             raise IntegrityError(str(folder), [f"no {WEIGHTS} in the policy folder"])

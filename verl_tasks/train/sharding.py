@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from safetensors import safe_open
 
 from verl_tasks.config import ExperimentConfig, MixedPrecision, Resources
 from verl_tasks.errors import IntegrityError
-from verl_tasks.models.checkpoint import WEIGHTS, local_rows, refuse_pickles
+from verl_tasks.models.checkpoint import WEIGHTS, local_rows, params_on_meta, refuse_pickles
 from verl_tasks.models.safetensors_io import TensorSpec, TensorWriter, Written
 from verl_tasks.train.logprobs import ResponseLogProbs
 
@@ -79,23 +77,6 @@ def sharded(folder: Path, dtype: str, compute: str, device: torch.device, world_
         for name, buf in lm.named_buffers():
             buf.copy_(buffers[name])
     return model
-
-
-@contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Create parameters on the meta device (no memory); buffers stay real (rotary tables are made at init)."""
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":  # tied weights arrive on meta already
-            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]  # for this block only
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def fsdp_options(res: Resources, mesh: Any, device: torch.device, dtype: str, compute: str) -> dict[str, Any]:
