@@ -292,3 +292,32 @@ def test_the_group_trains_on_what_it_holds_only_when_it_is_the_committed_input(u
     run_phase(ctx, "snapshot", 0)
     _run_epoch(ctx, 1, "update")
     assert read_marker(ctx.store, ctx.layout.update(1)).meta["ran"]["policy"] == "resident"
+
+
+def test_a_unit_past_its_deadline_stops_every_worker_and_the_retry_commits_the_same_bytes(updated, tmp_path):
+    """Inline, the deadline interrupts the driver while the group forms or trains: the group is dismissed
+    (its workers gone), nothing is committed, and the retry forms a new group."""
+    import ray
+
+    from verl_tasks.errors import UnitTimeout
+    from verl_tasks.execution.deadline import unit_deadline
+    from verl_tasks.train import group
+
+    reference = updated["w2-ddp"]
+    shutil.copytree(updated.root / "validated", tmp_path / "store")
+    ctx = _ctx(tmp_path / "store", 2)
+    with pytest.raises(UnitTimeout), unit_deadline(ctx.layout.update(0), "update", 0.5):
+        run_phase(ctx, "update", 0)
+    assert group._HELD == []
+    assert read_marker(ctx.store, ctx.layout.update(0)) is None
+
+    def held_cpus() -> float:  # what live actors of this Ray reserve: only the group's workers reserve CPUs
+        return ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
+
+    deadline = time.monotonic() + 60
+    while held_cpus() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held_cpus() == 0, "the dismissed group's workers still hold their CPUs"
+    run_phase(ctx, "update", 0)
+    got, want = (read_marker(c.store, c.layout.update(0)) for c in (ctx, reference))
+    assert got.files[WEIGHTS].sha256 == want.files[WEIGHTS].sha256

@@ -127,7 +127,12 @@ def wait_all(refs: list[Any]) -> list[Any]:
     values: dict[Any, Any] = {}
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=WAIT_SLICE_S)
+        try:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=WAIT_SLICE_S)
+        except SystemError as err:  # a signal handler raised inside Ray's C wait: Ray wraps it; give it back
+            if err.__context__ is not None:
+                raise err.__context__ from None
+            raise
         for ref in ready:
             values[ref] = ray.get(ref)
     return [values[ref] for ref in refs]
