@@ -207,8 +207,7 @@ def fsdp2(device: str, work: Path, layers: int | None) -> dict:
     import torch.distributed as dist
 
     from verl_tasks.models.checkpoint import save_policy
-    from verl_tasks.train.sharding import process_group_backend
-    from verl_tasks.train.worker import build
+    from verl_tasks.train.sharding import build, process_group_backend
 
     folder = work / "fsdp2-policy"
     save_policy(shaped_model("cpu", "float32", layers), word_tokenizer(SMOLLM2_SHAPE["vocab_size"]), folder)
@@ -237,7 +236,7 @@ def snapshot(model, optimizer, work: Path) -> dict:
 
     folder = work / "snapshot"
     files, write_s = timed(lambda: (save_policy(model, word_tokenizer(SMOLLM2_SHAPE["vocab_size"]), folder),
-                                    save_optimizer(optimizer, model, folder))[0])
+                                    save_optimizer(optimizer, model, folder)))
     started = time.perf_counter()
     for path in folder.iterdir():
         with open(path, "rb") as handle:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -35,12 +36,18 @@ LOOKUP_S = 5.0
 FETCH_S = 120.0
 
 
+def _connected_ray() -> Any:
+    """Ray, when this process already imported it and is connected (never imported here: a process
+    without Ray, the GPU check's, has nothing handed over)."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
+
+
 def put_weights(named: list[tuple[str, torch.Tensor]], weights_sha256: str) -> list[Any] | None:
     """Put the tensors into Ray's object store (a list holding the ObjectRef, so passing it on does not
-    fetch it); None outside a Ray worker."""
-    import ray
-
-    if not ray.is_initialized():
+    fetch it); None where this process is not connected to Ray."""
+    ray = _connected_ray()
+    if ray is None:
         return None
     tensors = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                 t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()) for name, t in named]
@@ -89,11 +96,10 @@ def fetch(config: Any, record: CommitRecord) -> dict[str, torch.Tensor] | None:
 
     The tensors are read-only views of the object store's shared memory on this node; copy before changing.
     """
-    import ray
-
     from verl_tasks.store.conventions import WEIGHTS
 
-    if not ray.is_initialized():
+    ray = _connected_ray()
+    if ray is None:
         return None
     sha = record.files[WEIGHTS].sha256
     try:

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from verl_tasks.config import ExperimentConfig, MixedPrecision, Resources
+from verl_tasks.config import ExperimentConfig, MixedPrecision, Resources, UpdateStrategy
 from verl_tasks.errors import IntegrityError
-from verl_tasks.models.checkpoint import WEIGHTS, local_rows, params_on_meta, refuse_pickles
+from verl_tasks.models.checkpoint import WEIGHTS, load_policy, local_rows, params_on_meta, refuse_pickles
 from verl_tasks.models.safetensors_io import TensorSpec, TensorWriter, Written
+from verl_tasks.phases.update_steps import autocast_dtype
 from verl_tasks.train.logprobs import ResponseLogProbs
 
 log = logging.getLogger(__name__)
@@ -154,3 +155,24 @@ def write_full_weights(model: torch.nn.Module, path: Path | None, *, keep: bool 
                     kept.append((name, host))
             del full
     return None if writer is None else (writer.close(), kept)
+
+
+def build(folder: Any, config: Any, device: torch.device, world: int, *,
+          train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the module to call: a ``ResponseLogProbs``, wrapped; the causal LM whose parameter names the
+    checkpoints use) for the strategy.
+
+    The trained model is in ``model.train_dtype``, a frozen reference in ``model.dtype``. ddp: DDP
+    around the trained model's ``ResponseLogProbs`` (autocast to ``model.dtype`` when narrower; a
+    frozen reference needs no DDP); fsdp2: the ``ResponseLogProbs`` is the FSDP2 root, its mixed
+    precision casts to the compute dtype (``compute_dtype``).
+    """
+    res = config.phase_resources("update")
+    dtype = config.model.train_dtype if train else config.model.dtype
+    if res.strategy == UpdateStrategy.fsdp2:
+        model = sharded(folder, dtype, compute_dtype(config), device, world, res)
+        return model, model.lm
+    core = load_policy(folder, dtype)[0].to(device)
+    if not train:
+        return ResponseLogProbs(core), core
+    return replicated(ResponseLogProbs(core, autocast_dtype(config.model)), device), core

@@ -44,13 +44,12 @@ import ray
 import torch
 
 from verl_tasks import hooks as process_hooks
-from verl_tasks.config import ExperimentConfig, UpdateStrategy, parse_config
+from verl_tasks.config import ExperimentConfig, parse_config
 from verl_tasks.models import handover
 from verl_tasks.models.checkpoint import (
     OPTIMIZER_INDEX,
     WEIGHTS,
     load_optimizer,
-    load_policy,
     optimizer_index,
     optimizer_shard_name,
     save_configs,
@@ -60,12 +59,11 @@ from verl_tasks.models.checkpoint import (
 from verl_tasks.models.safetensors_io import unique_state
 from verl_tasks.phases.common import PhaseContext, deterministic_kernels, policy_folder
 from verl_tasks.phases.update_inputs import PolicyState, UpdateSource
-from verl_tasks.phases.update_steps import UpdateInputs, autocast_dtype, epoch_inputs, frozen_logprobs, train_steps
+from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, frozen_logprobs, train_steps
 from verl_tasks.store import store_for
 from verl_tasks.store.conventions import optimizer_state_of
 from verl_tasks.store.units import UnitWriter
 from verl_tasks.train import sharding
-from verl_tasks.train.logprobs import ResponseLogProbs
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +184,7 @@ class UpdateWorker:
         algo = config.algorithm
         folder = policy_folder(ctx, start.version, start.record)[0]
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model, core = build(folder, config, self.device, self.world, train=True)
+        model, core = sharding.build(folder, config, self.device, self.world, train=True)
         optimizer = torch.optim.AdamW(core.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
         if start.optimizer_state is not None:
             load_optimizer(optimizer, core, folder)
@@ -199,7 +197,7 @@ class UpdateWorker:
         if not all_agree(self.reference is not None and self.reference[0] == key, self.device):
             self.reference = None
             folder = policy_folder(ctx, base.version, base.record)[0]
-            self.reference = (key, build(folder, config, self.device, self.world, train=False)[0])
+            self.reference = (key, sharding.build(folder, config, self.device, self.world, train=False)[0])
         assert self.reference is not None
         return self.reference[1]
 
@@ -211,27 +209,6 @@ def all_agree(mine: bool, device: torch.device) -> bool:
     flag = torch.tensor([1 if mine else 0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def build(folder: Any, config: Any, device: torch.device, world: int, *,
-          train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the module to call: a ``ResponseLogProbs``, wrapped; the causal LM whose parameter names the
-    checkpoints use) for the strategy.
-
-    The trained model is in ``model.train_dtype``, a frozen reference in ``model.dtype``. ddp: DDP
-    around the trained model's ``ResponseLogProbs`` (autocast to ``model.dtype`` when narrower; a
-    frozen reference needs no DDP); fsdp2: the ``ResponseLogProbs`` is the FSDP2 root, its mixed
-    precision casts to the compute dtype (``sharding.compute_dtype``).
-    """
-    res = config.phase_resources("update")
-    dtype = config.model.train_dtype if train else config.model.dtype
-    if res.strategy == UpdateStrategy.fsdp2:
-        model = sharding.sharded(folder, dtype, sharding.compute_dtype(config), device, world, res)
-        return model, model.lm
-    core = load_policy(folder, dtype)[0].to(device)
-    if not train:
-        return ResponseLogProbs(core), core
-    return sharding.replicated(ResponseLogProbs(core, autocast_dtype(config.model)), device), core
 
 
 def sharded_logprobs(model: torch.nn.Module, inputs: UpdateInputs, temperature: float, micro_batch_size: int | None,
