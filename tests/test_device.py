@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import ROOT
 from verl_tasks.errors import ConfigError
-from verl_tasks.models.device import DeviceFacts, choose_device, device_facts, resolve_device
+from verl_tasks.models.device import DeviceFacts, choose_device, device_facts, hide_unreserved_gpus, resolve_device
 
 CUDA = {"cuda_usable": True}
 
@@ -93,7 +93,9 @@ class Probe:
                 decided[requested] = str(resolve_device(requested))
             except ConfigError as err:
                 decided[requested] = f"ConfigError: {err}"
-        return {"ray_gpu_ids": facts.ray_gpu_ids, "visible": facts.visible, **decided}
+        hidden = hide_unreserved_gpus()
+        return {"ray_gpu_ids": facts.ray_gpu_ids, "visible": facts.visible, **decided, "hid": hidden,
+                "visible_after": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def test_a_ray_actor_decides_from_the_gpus_it_reserved(head_with_a_logical_gpu):
@@ -107,3 +109,7 @@ def test_a_ray_actor_decides_from_the_gpus_it_reserved(head_with_a_logical_gpu):
     assert one["ray_gpu_ids"] == ("0",) and one["visible"] == ("0",), one  # Ray narrowed CUDA_VISIBLE_DEVICES
     assert one["auto"] == "cpu", one  # no CUDA on this machine
     assert one["cuda"].startswith("ConfigError: model.device is 'cuda' but this worker sees no CUDA device"), one
+    # What the pool and update workers do first: one that reserved no GPU sees none (a library that takes
+    # "the first visible GPU" by itself, as vLLM does, would otherwise use one another actor reserved).
+    assert (none["hid"], none["visible_after"]) == (True, ""), none
+    assert (one["hid"], one["visible_after"]) == (False, "0"), one

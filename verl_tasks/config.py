@@ -33,8 +33,8 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # those experiments (trained without them) still resume.
 ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps": 0,
                     "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1,
-                    "rollout.enforce_eager": None, "model.train_dtype": "float32", "rewards.cpu_limit_s": None,
-                    "rewards.max_processes": 64}
+                    "rollout.enforce_eager": None, "rollout.batch_invariant": False, "model.train_dtype": "float32",
+                    "rewards.cpu_limit_s": None, "rewards.max_processes": 64}
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
@@ -216,6 +216,11 @@ class RolloutConfig(Strict):
                                                            "holds a placement group of that many GPU bundles")
     enforce_eager: bool | None = Field(None, description="vllm only: no CUDA graphs; default: eager on the CPU, "
                                                          "graphs on a GPU")
+    batch_invariant: bool = Field(
+        False, description="vllm on a GPU only: batch-invariant kernels (VLLM_BATCH_INVARIANT), so a retried rollout "
+                           "batch samples the same tokens whatever else the engine runs beside it; costs GPU "
+                           "throughput (vLLM's own figures: up to about 2x slower decoding). Off: on a GPU a retry "
+                           "samples anew (still exactly once); on the CPU samples repeat either way")
 
 
 class RewardsConfig(Strict):
@@ -484,11 +489,12 @@ class ExperimentConfig(Strict):
         if self.rollout.engine != "vllm":
             raise ValueError(f"rollout.tensor_parallel_size={tp} needs rollout.engine: vllm (the hf engine runs on "
                              f"one device); set the engine or tensor_parallel_size: 1")
-        gpus = self.phase_resources("rollout").num_gpus
-        if gpus != tp:
-            raise ValueError(f"rollout.tensor_parallel_size={tp} shards each engine over {tp} GPUs, but "
-                             f"resources.rollout.num_gpus={gpus:g}; set resources.rollout.num_gpus: {tp} (GPUs per "
-                             f"rollout worker)")
+        for phase in ("rollout", "evaluate"):  # evaluate builds the same engine
+            gpus = self.phase_resources(phase).num_gpus
+            if gpus != tp:
+                raise ValueError(f"rollout.tensor_parallel_size={tp} shards each engine over {tp} GPUs, but "
+                                 f"resources.{phase}.num_gpus={gpus:g}; set resources.{phase}.num_gpus: {tp} (GPUs "
+                                 f"per {phase} worker)")
         return self
 
     @model_validator(mode="after")

@@ -62,12 +62,15 @@ class PoolShape:
     def for_phase(cls, config: ExperimentConfig, phase: str) -> PoolShape:
         """The pool of ``phase``; a distributed update is one driver actor that holds no GPUs, memory or
         custom resources: its resident workers reserve those, so the driver never holds what they wait for.
-        A rollout engine sharded over ``tensor_parallel_size`` GPUs gets them as a placement group."""
+        A vLLM engine sharded over ``tensor_parallel_size`` GPUs (rollout's, evaluate's) gets them as a
+        placement group."""
         res: Resources = config.phase_resources(phase)
         if phase == "update" and res.distributed:
             return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s,
                        store=store_identity(config))
-        bundles = config.rollout.tensor_parallel_size if phase == "rollout" else 1
+        # A sharded vLLM engine (rollout's, and evaluate's, which builds the same engine) holds its GPUs
+        # as one placement group, or vLLM would make its own beside the GPUs the actor reserved.
+        bundles = config.rollout.tensor_parallel_size if phase in ("rollout", "evaluate") else 1
         shared = res.num_gpus == 0 and bundles == 1 and pool_kind(phase) != GATE_KIND
         kind = CPU_KIND if shared else pool_kind(phase)
         return cls(config.experiment, kind, res.num_cpus, res.num_gpus, res.memory_mb,

@@ -88,9 +88,13 @@ class _Capture(logging.Handler):
 class PoolWorker:
     """Runs one unit at a time (``run`` calls wait in Ray's queue); answers ``state`` and ``retire`` meanwhile."""
 
-    def __init__(self, kind: str, idle_release_s: float) -> None:
+    def __init__(self, kind: str, idle_release_s: float, holds_gpus: bool = False) -> None:
         from verl_tasks.quiet import quiet_own_process
 
+        if not holds_gpus:  # a sharded engine's actor holds no GPU itself but drives workers that do
+            from verl_tasks.models.device import hide_unreserved_gpus
+
+            hide_unreserved_gpus()
         quiet_own_process()
         import verl_tasks.runner  # noqa: F401 - import the heavy modules once, now
 
@@ -245,7 +249,8 @@ def start_cpu_pools(config: ExperimentConfig) -> None:
 def pool_actors(shape: PoolShape) -> list[Any]:
     """The pool's actors, created (and left to Ray to place) when missing."""
     actor_class: Any = PoolWorker  # @ray.remote made it an ActorClass; mypy keeps a decorated class's own type
-    return [actor_class.options(**shape.actor_options(i)).remote(shape.kind, shape.idle_release_s)
+    return [actor_class.options(**shape.actor_options(i)).remote(shape.kind, shape.idle_release_s,
+                                                                 bool(shape.num_gpus or shape.gpu_bundles))
             for i in range(shape.workers)]
 
 

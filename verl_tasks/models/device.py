@@ -96,6 +96,17 @@ def device_facts() -> DeviceFacts:
     )
 
 
+def hide_unreserved_gpus() -> bool:
+    """In a Ray worker that reserved no GPU, make CUDA see none (``CUDA_VISIBLE_DEVICES`` empty): Ray 2.60
+    leaves it as the node has it, so a library that picks "the first visible GPU" by itself (vLLM does)
+    would compute on a GPU another actor reserved. Call before anything initialises CUDA. Returns whether
+    the GPUs were hidden."""
+    if device_facts().ray_gpu_ids == ():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return True
+    return False
+
+
 def resolve_device(requested: str) -> torch.device:
     """The torch device for ``requested``, said once per process and reason.
 
@@ -111,4 +122,4 @@ def resolve_device(requested: str) -> torch.device:
     return device
 
 
-__all__ = ["DeviceFacts", "choose_device", "device_facts", "resolve_device"]
+__all__ = ["DeviceFacts", "choose_device", "device_facts", "hide_unreserved_gpus", "resolve_device"]

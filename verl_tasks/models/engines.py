@@ -67,13 +67,15 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None
     max_model_len: int | None = None
+    batch_invariant: bool = False
 
 
 def engine_options(config: Any) -> EngineOptions:
     """The engine settings of an experiment config."""
     rollout = config.rollout
     return EngineOptions(rollout.gpu_memory_utilization, config.model.dtype, rollout.tensor_parallel_size,
-                         rollout.enforce_eager, config.data.max_prompt_tokens + rollout.max_new_tokens)
+                         rollout.enforce_eager, config.data.max_prompt_tokens + rollout.max_new_tokens,
+                         rollout.batch_invariant)
 
 
 Engine = Callable[..., list[Generation]]

