@@ -35,6 +35,8 @@ ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps
                     "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1,
                     "rollout.enforce_eager": None, "rollout.batch_invariant": False, "model.train_dtype": "float32",
                     "rewards.cpu_limit_s": None, "rewards.max_processes": 64}
+# What engines sharing one GPU may take of its memory together (CUDA contexts and the framework need the rest).
+SHARED_GPU_MEMORY = 0.9
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
@@ -326,6 +328,21 @@ class Resources(Strict):
         return self.workers > 1 or self.strategy == UpdateStrategy.fsdp2
 
 
+class PlacementConfig(Strict):
+    """How phases that ask for GPUs share them (not hashed: where work runs, not what it computes).
+
+    ``gpu_phases``: ``separate`` gives rollout, update and evaluate a pool each (each holds its GPUs
+    while it is warm); ``shared`` sends all three to one pool whose actors hold the largest of their
+    GPU, CPU and memory settings, so one GPU serves a whole epoch: the vLLM engine sleeps while the
+    update trains there, and the trainer's memory is released before it wakes; ``auto`` shares when
+    the cluster has fewer GPUs than the separate pools ask for together, else separates. A
+    distributed update (``resources.update.workers > 1`` or fsdp2) keeps its own workers either way.
+    """
+
+    gpu_phases: Literal["auto", "shared", "separate"] = Field(
+        "auto", description="auto: shared when the cluster has fewer GPUs than separate pools need")
+
+
 class FaultToleranceConfig(Strict):
     retries: int = Field(3, ge=0)
     retry_delay_s: float = Field(5, ge=0)
@@ -454,6 +471,7 @@ class ExperimentConfig(Strict):
     storage: StorageConfig = StorageConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     resources: dict[str, Resources] = Field(default_factory=dict, description="per phase")
+    placement: PlacementConfig = PlacementConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     tracking: TrackingConfig = TrackingConfig()
     access: AccessConfig = AccessConfig()
@@ -495,6 +513,25 @@ class ExperimentConfig(Strict):
                 raise ValueError(f"rollout.tensor_parallel_size={tp} shards each engine over {tp} GPUs, but "
                                  f"resources.{phase}.num_gpus={gpus:g}; set resources.{phase}.num_gpus: {tp} (GPUs "
                                  f"per {phase} worker)")
+        return self
+
+    @model_validator(mode="after")
+    def _engines_fit_a_shared_gpu(self) -> ExperimentConfig:
+        """Fractional GPUs let Ray put several vLLM engines on one GPU; each takes
+        ``rollout.gpu_memory_utilization`` of its memory at start-up, so more than fits is refused now."""
+        if self.rollout.engine != "vllm":
+            return self
+        share = self.rollout.gpu_memory_utilization
+        for phase in ("rollout", "evaluate"):
+            gpus = self.phase_resources(phase).num_gpus
+            if 0 < gpus < 1 and int(1 // gpus) * share > SHARED_GPU_MEMORY:
+                engines = int(1 // gpus)
+                raise ValueError(
+                    f"resources.{phase}.num_gpus={gpus:g} lets Ray place {engines} vLLM engines on one GPU, each "
+                    f"taking rollout.gpu_memory_utilization={share:g} of its memory ({engines * share:g} in all): "
+                    f"the one that starts last fails. Give each {phase} worker a whole GPU (num_gpus: 1), lower "
+                    f"rollout.gpu_memory_utilization to {SHARED_GPU_MEMORY / engines:.2f} or less, or let the GPU "
+                    f"phases share one pool (placement.gpu_phases: shared)")
         return self
 
     @model_validator(mode="after")

@@ -24,6 +24,9 @@ GATE_KIND = "gate"  # validate: Great Expectations, no policy
 # update trained for the evaluation and the next rollout, instead of one process per phase kind each
 # loading it (GPU phases keep a pool per kind: a rollout engine and a trainer do not share a device).
 CPU_KIND = "cpu"
+# Rollout, update and evaluate sharing GPUs (``placement.gpu_phases``): one pool whose actors run all three.
+GPU_KIND = "gpu"
+GPU_PHASES = ("rollout", "update", "evaluate")
 
 
 def pool_kind(phase: str) -> str:
@@ -59,12 +62,16 @@ class PoolShape:
     store: str = ""  # ``store_identity``: two deployments of one experiment name never share actors
 
     @classmethod
-    def for_phase(cls, config: ExperimentConfig, phase: str) -> PoolShape:
+    def for_phase(cls, config: ExperimentConfig, phase: str, cluster_gpus: float | None = None) -> PoolShape:
         """The pool of ``phase``; a distributed update is one driver actor that holds no GPUs, memory or
         custom resources: its resident workers reserve those, so the driver never holds what they wait for.
         A vLLM engine sharded over ``tensor_parallel_size`` GPUs (rollout's, evaluate's) gets them as a
-        placement group."""
+        placement group. Phases that share GPUs (``gpu_sharing_phases``, given the cluster's GPU count)
+        go to one ``gpu`` pool."""
         res: Resources = config.phase_resources(phase)
+        sharing = gpu_sharing_phases(config, cluster_gpus)
+        if phase in sharing:
+            return cls.shared_gpu(config, sharing, cluster_gpus)
         if phase == "update" and res.distributed:
             return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s,
                        store=store_identity(config))
@@ -76,6 +83,25 @@ class PoolShape:
         return cls(config.experiment, kind, res.num_cpus, res.num_gpus, res.memory_mb,
                    tuple(sorted(res.custom.items())), res.workers, res.idle_release_s, bundles if bundles > 1 else 0,
                    store_identity(config))
+
+    @classmethod
+    def shared_gpu(cls, config: ExperimentConfig, phases: tuple[str, ...], cluster_gpus: float | None) -> PoolShape:
+        """The ``gpu`` pool of the phases that share GPUs: each actor holds the largest of their GPU, CPU and
+        memory settings and their custom resources; as many actors as the rollout asks for, at most one per
+        GPU group the cluster has."""
+        every = [config.phase_resources(phase) for phase in phases]
+        gpus = max(r.num_gpus for r in every)
+        memory = max((r.memory_mb for r in every if r.memory_mb), default=None)
+        custom: dict[str, float] = {}
+        for r in every:
+            for name, amount in r.custom.items():
+                custom[name] = max(custom.get(name, 0.0), amount)
+        wanted = max(r.workers for r in every)
+        fits = int(cluster_gpus // gpus) if cluster_gpus else 1
+        tp = config.rollout.tensor_parallel_size
+        return cls(config.experiment, GPU_KIND, max(r.num_cpus for r in every), gpus, memory,
+                   tuple(sorted(custom.items())), max(1, min(wanted, fits)), max(r.idle_release_s for r in every),
+                   tp if tp > 1 else 0, store_identity(config))
 
     @property
     def digest(self) -> str:
@@ -129,6 +155,24 @@ class PoolShape:
             group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
 
 
+def gpu_sharing_phases(config: ExperimentConfig, cluster_gpus: float | None) -> tuple[str, ...]:
+    """The phases that go to one shared ``gpu`` pool (``placement.gpu_phases``); empty when none do.
+
+    Candidates: rollout, evaluate and a one-process update that ask for GPUs (a distributed update keeps
+    its own workers, and so does a sharded engine, ``tensor_parallel_size`` > 1). ``auto`` shares them
+    when ``cluster_gpus`` (None: unknown, no sharing) is less than what their separate pools hold together.
+    """
+    asking = tuple(phase for phase in GPU_PHASES if config.phase_resources(phase).num_gpus > 0
+                   and not (phase == "update" and config.phase_resources(phase).distributed))
+    mode = config.placement.gpu_phases
+    if len(asking) < 2 or mode == "separate" or config.rollout.tensor_parallel_size > 1:
+        return ()  # a sharded engine's actor holds its GPUs as a placement group, none for a trainer
+    if mode == "shared":
+        return asking
+    separate = sum(config.phase_resources(p).num_gpus * config.phase_resources(p).workers for p in asking)
+    return asking if cluster_gpus is not None and cluster_gpus < separate else ()
+
+
 def experiment_shapes(config: ExperimentConfig) -> set[PoolShape]:
     """Every pool the experiment's phases use (phases sharing a pool give one shape)."""
     from verl_tasks.phase_registry import PHASE_NAMES
@@ -144,5 +188,5 @@ def cpus_for(config: ExperimentConfig) -> float:
     return total + (update.num_cpus * update.workers if update.distributed else 0)
 
 
-__all__ = ["CPU_KIND", "GATE_KIND", "LIGHT", "NAMESPACE", "PREFIX", "PoolShape", "code_fingerprint", "cpus_for",
-           "experiment_shapes", "pool_kind"]
+__all__ = ["CPU_KIND", "GATE_KIND", "GPU_KIND", "LIGHT", "NAMESPACE", "PREFIX", "PoolShape", "code_fingerprint",
+           "cpus_for", "experiment_shapes", "gpu_sharing_phases", "pool_kind"]

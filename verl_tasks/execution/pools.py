@@ -270,9 +270,21 @@ def pick_actor(actors: list[Any], batch: int | None) -> int:
     return next((i for i in order if i in idle), preferred)
 
 
+_GPUS_ASKED_EVERY_S = 60.0
+_cluster_gpus: list[tuple[float, float]] = []  # (when asked, the cluster's GPU count)
+
+
+def cluster_gpus() -> float:
+    """The cluster's GPUs (logical ones included), asked of Ray at most once a minute per process."""
+    now = time.monotonic()
+    if not _cluster_gpus or now - _cluster_gpus[0][0] > _GPUS_ASKED_EVERY_S:
+        _cluster_gpus[:] = [(now, float(ray.cluster_resources().get("GPU", 0.0)))]
+    return _cluster_gpus[0][1]
+
+
 def submit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None) -> tuple[Any, Any]:
     """Hand one unit to its pool; returns (the result's ObjectRef, the actor running it)."""
-    shape = PoolShape.for_phase(config, spec.phase)
+    shape = PoolShape.for_phase(config, spec.phase, cluster_gpus())
     retire_stale_now_and_then(shape)
     actors = pool_actors(shape)
     actor = actors[pick_actor(actors, spec.batch)]

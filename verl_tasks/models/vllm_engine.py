@@ -59,6 +59,8 @@ class _Held:
     source: str | None = None  # the policy folder whose weights it holds; None while a reload is under way
     views: list[Path] = field(default_factory=list)  # the current one last; older ones go once it serves
     processes: list[int] = field(default_factory=list)  # engine-core pids (and their workers)
+    on_gpu: bool = False
+    asleep: bool = False  # its GPU memory was given to another user of this process's GPU (``sleep``)
     builds: int = 0
     reloads: int = 0
 
@@ -135,6 +137,11 @@ def engine_for(folder: Path, options: Any, on_engine: Callable[[str], None] | No
     """
     source = str(Path(folder).resolve())
     key = (_architecture(folder), options)
+    if HELD.engine is not None and HELD.asleep:
+        HELD.engine.wake_up()  # its weights were discarded: the reload below loads the version asked for
+        HELD.asleep = False
+        if on_engine:
+            on_engine("woke")
     if HELD.engine is not None and HELD.source == source and HELD.key == key:
         return HELD.engine
     if HELD.engine is not None and HELD.key == key:
@@ -192,7 +199,7 @@ def _build(folder: Path, key: tuple, options: Any) -> None:
     before = set(engine_processes())
     started = time.monotonic()
     try:
-        engine = LLM(model=str(view), seed=0, enforce_eager=eager, dtype=options.dtype,
+        engine = LLM(model=str(view), seed=0, enforce_eager=eager, dtype=options.dtype, enable_sleep_mode=on_gpu,
                      gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                      tensor_parallel_size=options.tensor_parallel_size,
                      distributed_executor_backend="ray" if sharded else None,
@@ -200,12 +207,27 @@ def _build(folder: Path, key: tuple, options: Any) -> None:
     except BaseException:
         shutil.rmtree(view, ignore_errors=True)
         raise
-    HELD.engine, HELD.key, HELD.views = engine, key, [view]
+    HELD.engine, HELD.key, HELD.views, HELD.on_gpu, HELD.asleep = engine, key, [view], on_gpu, False
     HELD.source = str(Path(folder).resolve())
     HELD.processes = sorted(set(engine_processes()) - before)
     HELD.builds += 1
     log.info("vLLM engine built in %.1f s (%s, eager=%s, processes %s)", time.monotonic() - started,
              options.dtype, eager, HELD.processes)
+
+
+def sleep() -> str:
+    """Give the held engine's GPU memory to another user of this process's GPU (the update trains next):
+    vLLM's sleep level 2 frees the KV cache and discards the weights; the next :func:`engine_for` wakes it
+    and loads the version it is asked for. Returns what was done: ``slept``, ``cpu`` (an engine on the
+    CPU frees nothing this way) or ``none`` (no engine held)."""
+    if HELD.engine is None or HELD.asleep:
+        return "none" if HELD.engine is None else "slept"
+    if not HELD.on_gpu:
+        return "cpu"
+    HELD.source = None  # its weights are gone: never reused as any version
+    HELD.engine.sleep(level=2)
+    HELD.asleep = True
+    return "slept"
 
 
 def shutdown() -> list[int]:
@@ -214,7 +236,7 @@ def shutdown() -> list[int]:
     engine, pids = HELD.engine, HELD.processes
     if engine is None:
         return []
-    HELD.engine, HELD.key, HELD.source = None, None, None
+    HELD.engine, HELD.key, HELD.source, HELD.asleep = None, None, None, False
     core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
     try:
         if core is not None:
@@ -274,4 +296,4 @@ def _at_exit() -> None:
 
 
 __all__ = ["build_view_path", "engine_slot", "inference_view", "is_inference_file", "request_seeds", "engine_for",
-           "engine_processes", "shutdown", "generate", "HELD"]
+           "engine_processes", "shutdown", "sleep", "generate", "HELD"]

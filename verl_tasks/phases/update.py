@@ -20,6 +20,7 @@ import torch
 
 from verl_tasks.algos import lr_at, schedule_of
 from verl_tasks.config import Resources, UpdateStrategy
+from verl_tasks.events import record_event
 from verl_tasks.models.checkpoint import (
     OPTIMIZER,
     OPTIMIZER_INDEX,
@@ -151,6 +152,7 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
                 ctx.hook("update_step", epoch=epoch, step=step)
             trained.update(handover=result.get("handover"), attempt=writer.attempt)
         else:
+            trained["engine_held"] = engine_to_sleep(ctx, epoch)
             with writer.folder() as out:  # written in place: the weights are written once per epoch
                 per_step, hyper, ran, kept = _train_here(ctx, source, out, writer)
             trained.update(kept, attempt=writer.attempt)
@@ -171,6 +173,8 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     committed_record = run_unit(ctx, "update", ctx.layout.update(epoch), epoch, produce)
     # The trained model is policy epoch + 1: the next epoch's units need not load it. Not when another
     # attempt's commit won the race: the record's checksums are of its bytes, not necessarily this model's.
+    if trained.get("engine_held") and "model" in trained and trainer_to_release(ctx, epoch, trained):
+        return committed_record
     if trained.get("attempt") == committed_record.attempt:
         if "model" in trained:
             keep_policy(ctx, committed_record, trained["model"], trained["tokenizer"], trained["folder"],
@@ -178,6 +182,35 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         elif trained.get("handover") is not None:
             publish_weights(ctx, committed_record, trained["handover"])
     return committed_record
+
+
+def engine_to_sleep(ctx: PhaseContext, epoch: int) -> bool:
+    """Before the update trains in a process that holds a vLLM engine (inline, or a pool whose actor runs
+    rollout, update and evaluate on one GPU): the engine gives its GPU memory up (``vllm_engine.sleep``).
+    Returns whether an engine was held."""
+    from verl_tasks.models import vllm_engine
+
+    done = vllm_engine.sleep()
+    if done == "none":
+        return False
+    record_event(ctx.store, ctx.layout, "gpu_handoff", epoch=epoch, to="update", engine=done)
+    return True
+
+
+def trainer_to_release(ctx: PhaseContext, epoch: int, trained: dict[str, Any]) -> bool:
+    """After the update in a process whose vLLM engine sleeps: a trainer on a GPU gives its memory back before
+    the engine wakes (its model and optimizer, taken out of ``trained``, are not kept warm; the next update
+    reads them from the store). Returns whether it released them (on the CPU there is nothing to give
+    back: they stay warm)."""
+    import gc
+
+    on_gpu = next(trained["model"].parameters()).device.type == "cuda"
+    if on_gpu:
+        del trained["model"], trained["optimizer"]
+        gc.collect()
+        torch.cuda.empty_cache()
+    record_event(ctx.store, ctx.layout, "gpu_handoff", epoch=epoch, to="engine", trainer_released=on_gpu)
+    return on_gpu
 
 
 def _update_files(res: Resources) -> list[str]:
