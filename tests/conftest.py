@@ -137,3 +137,12 @@ def fault_hooks():
     installed = FaultHooks()
     yield installed
     installed.clear()
+
+
+@pytest.fixture
+def allow_process_isolation(monkeypatch):
+    """A deployment whose operators let experiments ask for ``rewards.isolation: process`` (the default allows
+    namespaces only: ``verl_tasks.rewards.deployment``)."""
+    from verl_tasks.rewards.deployment import ISOLATIONS_ENV
+
+    monkeypatch.setenv(ISOLATIONS_ENV, "namespaces,process")

@@ -27,6 +27,10 @@ from verl_tasks.secrets import REWARD_ENV_COPIED, REWARD_ENV_SET, is_secret_name
 
 from .conftest import ROOT, TINY_YAML
 
+# These rows stand for a deployment that lets experiments ask for process isolation as well; the default
+# deployment's refusal of it is tested in tests/test_sandbox_bounds.py.
+pytestmark = pytest.mark.usefixtures("allow_process_isolation")
+
 PROBES = "tests.sandbox_probes"
 SECRET = "vt-sandbox-secret-3c9e71"
 # What the reviewer found in a reward function's reach: none may reach the sandbox.

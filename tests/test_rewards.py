@@ -52,7 +52,8 @@ def test_unloadable_reward_function_is_a_config_error():
         RewardSandbox("no_such_module_xyz:fn", 1.0, 512).start()
 
 
-def test_reward_function_sees_no_secrets_and_runs_in_a_temporary_folder(tmp_path, monkeypatch):
+def test_reward_function_sees_no_secrets_and_runs_in_a_temporary_folder(tmp_path, monkeypatch,
+                                                                     allow_process_isolation):
     """With ``rewards.isolation: process`` (the function can write its report into the test's folder;
     the namespaced default is probed in tests/test_reward_sandbox.py, where no such folder exists)."""
     secret = "vt-reward-secret-5e1d"

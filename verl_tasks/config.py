@@ -229,17 +229,20 @@ class RewardsConfig(Strict):
     """The reward function and the sandbox that runs it (``verl_tasks.rewards.sandbox``)."""
 
     function: str = "verl_tasks.rewards.builtin:exact_answer"
-    timeout_s: float = Field(5.0, gt=0, description="per-sample time limit")
-    memory_limit_mb: int = Field(2048, gt=0, description="address-space limit of the sandbox")
+    timeout_s: float = Field(5.0, gt=0, description="per-sample time limit; at most the deployment's "
+                                                    "VERL_TASKS_REWARD_MAX_TIMEOUT_S (300)")
+    memory_limit_mb: int = Field(2048, gt=0, description="address-space limit of the sandbox; at most the "
+                                                         "deployment's VERL_TASKS_REWARD_MAX_MEMORY_MB (4096)")
     cpu_limit_s: float | None = Field(
         None, gt=0, description="CPU seconds one sample may use in the sandbox, all threads together (whole "
                                 "seconds, rounded up); default: timeout_s")
-    max_processes: int = Field(64, ge=1, description="processes and threads the reward function may run at once")
+    max_processes: int = Field(64, ge=1, description="processes and threads the reward function may run at "
+                                                     "once; at most VERL_TASKS_REWARD_MAX_PROCESSES (256)")
     isolation: Literal["namespaces", "process"] = Field(
         "namespaces", description="namespaces: bubblewrap (own network, PID, mount and user namespaces; refused "
                                   "where they cannot be made); process: a plain child process that sees this "
-                                  "machine's files and network, for machines without namespaces (logged as a "
-                                  "warning). Not hashed")
+                                  "machine's files and network, only where the deployment allows it "
+                                  "(VERL_TASKS_REWARD_ISOLATIONS on the workers; logged as a warning). Not hashed")
     default_score: float = 0.0
     max_failure_fraction: float = Field(0.1, ge=0, le=1)
     min_score: float = -1e6

@@ -154,7 +154,7 @@ def test_05_snapshot_corrupted_after_commit(reference, tmp_path, fault_hooks):
     assert redone <= 3  # the update and its snapshot, plus the unit that found the damage
 
 
-def test_06_reward_function_raises_hangs_and_crashes(reference, tmp_path, monkeypatch):
+def test_06_reward_function_raises_hangs_and_crashes(reference, tmp_path, monkeypatch, allow_process_isolation):
     """An outage (every call raises) fails the batch on the threshold; single raise/hang/crash get the default."""
     flags = tmp_path / "flags"
     flags.mkdir()

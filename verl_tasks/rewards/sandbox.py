@@ -63,6 +63,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import verl_tasks
 from verl_tasks.errors import ConfigError
 from verl_tasks.rewards.checks import RewardFunctionError, split_path
+from verl_tasks.rewards.deployment import ISOLATIONS_ENV, check_allowed
 from verl_tasks.rewards.isolation import IsolationUnavailable, PidsCgroup, bwrap_command, check_namespaces
 from verl_tasks.rewards.source_check import top_level_location
 from verl_tasks.secrets import reward_env
@@ -117,6 +118,7 @@ class RewardSandbox:
         self.memory_limit_mb = memory_limit_mb
         self.memory_limit = memory_limit_mb << 20
         self.isolation = isolation
+        self.cpu_limit_s = cpu_limit_s
         self.cpu_s = max(1, math.ceil(cpu_limit_s if cpu_limit_s is not None else timeout_s))
         self.cpu_cap_s = max(CPU_CAP_S, 3 * self.cpu_s)
         self.max_processes = max_processes
@@ -183,6 +185,8 @@ class RewardSandbox:
                 cannot build the namespaces; the message names the setting to change.
         """
         self.close()  # a worker still running (an explicit restart) goes first
+        check_allowed(isolation=self.isolation, memory_limit_mb=self.memory_limit_mb,
+                      max_processes=self.max_processes, timeout_s=self.timeout_s, cpu_limit_s=self.cpu_limit_s)
         bwrap = None
         if self.isolation == "namespaces":
             try:
@@ -190,9 +194,10 @@ class RewardSandbox:
             except IsolationUnavailable as err:
                 raise ConfigError(
                     f"rewards.isolation is 'namespaces' (the default), but {err}. Install bubblewrap and allow user "
-                    f"namespaces here (in a container: a seccomp/AppArmor profile that permits them), or set "
-                    f"rewards.isolation: process to run {self.function!r} as a plain child process (it then "
-                    f"sees this machine's files and network)") from None
+                    f"namespaces here (in a container: a seccomp/AppArmor profile that permits them), or, where "
+                    f"the deployment allows it ({ISOLATIONS_ENV} includes process), set rewards.isolation: process "
+                    f"to run {self.function!r} as a plain child process (it then sees this machine's files and "
+                    f"network)") from None
         else:
             _warn_once("process", self.function, "rewards.isolation is 'process': the reward function %s runs as a "
                        "plain child process without namespaces; it can read every file and reach every address "
