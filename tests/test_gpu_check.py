@@ -1,14 +1,18 @@
 """The GPU check runs where the lendable GPU machine allows: no Ray, vLLM, Airflow, Great Expectations,
-boto3 or MLflow importable (they are not there). On this CPU machine it runs with ``--device cpu``."""
+boto3 or MLflow importable and no bubblewrap (they are not there), nothing installed. On this CPU machine it
+runs with ``--device cpu``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from tests.conftest import ROOT
 
-WITHOUT = ("ray", "vllm", "airflow", "great_expectations", "boto3", "mlflow")
+# What the GPU machine lacks, and packages some libraries import only when present (never needed by the check).
+WITHOUT = ("ray", "vllm", "airflow", "great_expectations", "boto3", "mlflow", "google", "dill", "scipy",
+           "sentencepiece", "PIL")
 RUN_WITHOUT = f"""
 import runpy, sys
 for name in {WITHOUT!r}:
@@ -20,10 +24,16 @@ runpy.run_path("scripts/gpu_check.py", run_name="__main__")
 
 def test_the_gpu_check_needs_none_of_the_cluster_packages(tmp_path):
     report_path = tmp_path / "report.json"
+    no_tools = tmp_path / "bin"  # the PATH of a machine without bubblewrap
+    no_tools.mkdir()
+    env = {**os.environ, "PATH": str(no_tools)}
+    env.pop("VERL_TASKS_REWARD_ISOLATIONS", None)
     done = subprocess.run([sys.executable, "-c", RUN_WITHOUT, "--device", "cpu", "--cpu-layers", "2", "--out",
-                           str(report_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           str(report_path)], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(report_path.read_text())
+    assert report["reward_isolation"] == "process"  # no bubblewrap: the built-in reward as a plain child process
+    assert report["vllm_reload"]["skipped"].startswith("vllm is not importable")
     assert report["phases"]["devices"] == {"rollout": ["cpu"], "update": ["cpu"], "evaluate": ["cpu"]}
     assert report["phases"]["same_weights_on_rerun"] is True
     assert report["rollout"]["cpu"]["tokens_per_s"] > 0
