@@ -85,9 +85,20 @@ def test_a_bad_input_try_says_it_is_not_retried(tiny_config, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="verl_tasks.runner"), pytest.raises(DataError) as err:
         train(ctx, 1)
     assert "prompts.jsonl:2: not valid JSON (Expecting ',' delimiter at column" in str(err.value), err.value
-    failed = [r.getMessage() for r in caplog.records if "failed (try 1 of" in r.getMessage()]
+    assert str(err.value).startswith("prepare, reading data.train: "), err.value  # the phase that read the file
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert len(failed) == 1, failed  # one try: never retried
-    assert failed[0].startswith("plan of epoch 0 failed") and "not retried" in failed[0], failed
+    assert failed[0].startswith("plan of epoch 0 failed: DataError") and "not retried" in failed[0], failed
+    assert "(try " not in failed[0], failed  # no try count for an error that is never retried
+
+
+def test_a_repeated_prompt_is_named_by_the_lines_that_hold_it(tiny_config, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "2+2=", "ground_truth": "4"}\n'
+                    '{"prompt": "1+1=", "ground_truth": "2"}\n')
+    ctx = make_context(tiny_config(**{"data.train": str(data)}))
+    with pytest.raises(DataError, match=r"prompts\.jsonl:3 repeats the prompt of .*prompts\.jsonl:1"):
+        train(ctx, 1)
 
 
 def test_a_second_demo_says_already_trained_and_shows_the_curve(tmp_path):

@@ -198,7 +198,7 @@ def test_the_status_console_script_shows_every_committed_epoch(many_epochs):
     rows = [line.strip("│ ").split("│") for line in run.stdout.splitlines() if line.startswith("│")]
     assert [int(cells[0]) for cells in rows] == list(range(10)), run.stdout
     assert all([c.strip() for c in cells[1:8]] == ["committed"] * 7 for cells in rows), run.stdout
-    assert "latest snapshot: {'epoch': 9, 'version': 10," in run.stdout, run.stdout
+    assert "latest snapshot: version 10 (after epoch 9), sha256 " in run.stdout, run.stdout
 
 
 def test_metrics_out_file_is_replaced_whole(many_epochs, tmp_path):

@@ -30,14 +30,40 @@ STORE_OPTION = typer.Option(None, "--store", help="store URI, file://PATH or s3:
 EXPERIMENT_OPTION = typer.Option(None, "--experiment", help="experiment name (default: the YAML's experiment)")
 
 
+class _OwnOrSerious(logging.Filter):
+    """What the console shows: verl-tasks' own lines, and other libraries' errors. The rest (vLLM's, torch's
+    and Ray's start-up lines, Python warnings) goes to the log file only, unless ``--verbose``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("verl_tasks") or record.levelno >= logging.ERROR
+
+
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-    )
+    # vLLM adds a stdout handler of its own unless told not to (its engine processes inherit this); its
+    # lines then reach the log file through the root logger like every other library's.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    handler = RichHandler(console=console, show_path=False)
+    if not verbose:
+        handler.addFilter(_OwnOrSerious())
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", handlers=[handler])
+    logging.captureWarnings(True)
     for noisy in ("botocore", "urllib3", "filelock", "great_expectations", "transformers", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _log_to_file(path: Path | None, experiment: str) -> Path:
+    """Every log line (INFO and up, every library's) also goes to ``path``, by default a new file under the
+    cache folder; returns it."""
+    if path is None:
+        from verl_tasks.phases.common import CACHE_DIR
+
+        path = CACHE_DIR / "logs" / f"{experiment}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return path
 
 
 def _load(config: Path, store: str | None, experiment: str | None, epochs: int | None = None) -> ExperimentConfig:
@@ -71,13 +97,22 @@ def run(
         None, "--resume-from", metavar="EXPERIMENT[:VERSION]",
         help="start this new experiment from that experiment's snapshot VERSION (default: its latest) "
              "in the same store"),
-    backend: str = typer.Option("inline", help="inline: in this process; ray: on Ray worker pools"),
+    backend: str = typer.Option("inline", help="inline: every unit in this process; ray: on Ray worker pools, "
+                                               "this process driving them (as the demo's ray-driver backend does)"),
     ray_address: str | None = typer.Option(
         None, help="with --backend ray: the cluster's GCS address HOST:PORT; "
                    "default: start a local head, stop it after"),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="log at DEBUG (each store call, each unit's steps)"),
+    log_file: Path | None = typer.Option(
+        None, "--log-file", help="every library's log lines (INFO and up) also go here; default: a new file "
+                                 "under ~/.cache/verl-tasks/logs, named on the console"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="log at DEBUG, every library's lines on the console "
+                                                                "too (each store call, each unit's steps)"),
 ) -> None:
-    """Run every phase in order, resuming from whatever is committed (inline, or on Ray worker pools)."""
+    """Run every phase in order, resuming from whatever is committed (inline, or on Ray worker pools).
+
+    On a terminal a progress bar shows the run; otherwise (a log file, nohup, CI) one line per committed
+    unit and one per finished epoch, with its metrics, go to standard output as they happen.
+    """
     _setup_logging(verbose)
     signal.signal(signal.SIGTERM, _on_sigterm)
     from contextlib import ExitStack
@@ -85,6 +120,7 @@ def run(
     stack = ExitStack()
     try:
         cfg = _load(config, store, experiment, epochs)
+        console.print(f"log file: {_log_to_file(log_file, cfg.experiment)}", highlight=False)
         if backend not in ("inline", "ray"):
             raise typer.BadParameter(f"--backend {backend!r}: use inline or ray")
         finished = None if resume_from else _already_trained(cfg)
@@ -111,19 +147,22 @@ def run(
             _start_from(ctx, resume_from)
         total = sum(len(epoch_units(ctx, e, cfg.epochs)) for e in range(cfg.epochs))
         started = time.monotonic()
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console, transient=False) as bar:
-            task = bar.add_task(f"{cfg.experiment}", total=total)
+        if out.is_terminal:
+            with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                          TimeElapsedColumn(), console=console, transient=False) as bar:
+                task = bar.add_task(f"{cfg.experiment}", total=total)
 
-            def progress(phase: str, epoch: int, batch: int | None) -> None:
-                if phase == "epoch-skipped":
-                    bar.advance(task, len(epoch_units(ctx, epoch, cfg.epochs)))
-                else:
-                    bar.advance(task)
-                    where = f" b{batch}" if batch is not None else ""
-                    bar.update(task, description=f"{cfg.experiment} epoch {epoch} {phase}{where}")
+                def progress(phase: str, epoch: int, batch: int | None) -> None:
+                    if phase == "epoch-skipped":
+                        bar.advance(task, len(epoch_units(ctx, epoch, cfg.epochs)))
+                    else:
+                        bar.advance(task)
+                        where = f" b{batch}" if batch is not None else ""
+                        bar.update(task, description=f"{cfg.experiment} epoch {epoch} {phase}{where}")
 
-            result = train(ctx, cfg.epochs, progress, run_units)
+                result = train(ctx, cfg.epochs, progress, run_units)
+        else:
+            result = train(ctx, cfg.epochs, _unit_lines(ctx, total, started), run_units)
         _finish(result, report)
         console.print(f"done in {time.monotonic() - started:.1f}s")
     except KeyboardInterrupt:
@@ -133,6 +172,40 @@ def run(
         _fail(err)
     finally:
         stack.close()
+
+
+def _unit_lines(ctx, total: int, started: float):
+    """A progress callback for a console that is not a terminal: a line per committed unit, and at the end of
+    each epoch a line with its metrics, printed (and flushed) as they happen."""
+    from verl_tasks.runner import epoch_units
+    from verl_tasks.status import marker_metrics
+
+    done = [0]
+
+    def say(text: str) -> None:
+        elapsed = time.monotonic() - started
+        out.print(f"[{int(elapsed // 60):02d}:{elapsed % 60:04.1f}] {text}", highlight=False, markup=False)
+
+    def progress(phase: str, epoch: int, batch: int | None) -> None:
+        units = epoch_units(ctx, epoch, ctx.config.epochs)
+        if phase == "epoch-skipped":
+            done[0] += len(units)
+            say(f"epoch {epoch}: committed before, skipped ({done[0]}/{total})")
+            return
+        done[0] += 1
+        where = f" batch {batch}" if batch is not None else ""
+        say(f"epoch {epoch} {phase}{where} committed ({done[0]}/{total})")
+        if (phase, batch) == units[-1]:
+            metrics = marker_metrics(ctx.store, [ctx.layout.update(epoch), ctx.layout.evaluate(epoch)])
+            row = {**metrics[ctx.layout.update(epoch)], **metrics[ctx.layout.evaluate(epoch)]}
+            shown = [f"{label} {row[key]:.4g}" for key, label in EPOCH_LINE if key in row]
+            say(f"epoch {epoch} done: " + (", ".join(shown) or "no metrics"))
+
+    return progress
+
+
+EPOCH_LINE = (("reward_mean", "reward"), ("eval_accuracy", "eval accuracy"), ("actor/ppo_kl", "kl"),
+              ("actor/pg_clipfrac", "clipfrac"), ("actor/grad_norm", "grad norm"), ("actor/lr", "lr"))
 
 
 def _already_trained(cfg: ExperimentConfig) -> dict | None:
@@ -220,25 +293,18 @@ def status(
     if as_json:
         out.print_json(json.dumps(result))
         return
-    table = Table(title=f"{result['experiment']} @ {result['store']}")
-    table.add_column("epoch")
-    from verl_tasks.phase_registry import PHASE_NAMES
-
-    for phase in PHASE_NAMES:
-        table.add_column(phase)
-    table.add_column("reward")
-    table.add_column("eval acc")
-    for row in result["epochs"]:
-        m = row["metrics"]
-        table.add_row(str(row["epoch"]), *[row["phases"][p] for p in row["phases"]],
-                      f"{m['reward_mean']:.3f}" if "reward_mean" in m else "",
-                      f"{m['eval_accuracy']:.3f}" if "eval_accuracy" in m else "")
-    out.print(table)
+    out.print(_status_table(result, wide=out.width >= WIDE_STATUS), highlight=False)
+    for failure in result["failures"]:
+        out.print(f"[bold red]failed[/]: {failure['unit']} ({failure['phase']}, attempt {failure['attempt']}): "
+                  f"{failure['error']}", highlight=False)
     if result["safe_mode"]:
         out.print(f"[bold red]SAFE MODE[/]: {result['safe_mode'].get('summary')}")
     for warning in result["warnings"]:
         out.print(f"[yellow]warning[/]: {warning}", highlight=False)
-    out.print(f"latest snapshot: {result['latest_snapshot']}")
+    latest = result["latest_snapshot"]
+    out.print("latest snapshot: " + (f"version {latest['version']} (after epoch {latest['epoch']}), sha256 "
+                                     f"{str(latest['weights_sha256'])[:16]}, {latest['uri']}" if latest else "none"),
+              highlight=False)
     if result.get("best_snapshot"):
         out.print(f"best snapshot: {result['best_snapshot']}")
     for row in result["epochs"]:
@@ -249,6 +315,40 @@ def status(
         from verl_tasks.report import curve_markdown
 
         out.print(curve_markdown(result), markup=False, highlight=False)
+
+
+# Below this many columns `status` puts each epoch's phase states in one wrapped cell instead of a column each.
+WIDE_STATUS = 120
+
+
+def _status_table(result: dict, wide: bool) -> Table:
+    """One row per epoch: a column per phase on a wide console; else the states written out in one cell,
+    ``all committed`` for a finished epoch, so no cell is cut at 80 columns."""
+    from verl_tasks.phase_registry import PHASE_NAMES
+    from verl_tasks.status import NOT_PLANNED
+
+    table = Table(title=f"{result['experiment']} @ {result['store']}")
+    table.add_column("epoch", justify="right")
+    if wide:
+        for phase in PHASE_NAMES:
+            table.add_column(phase)
+    else:
+        table.add_column("phases", overflow="fold")
+    table.add_column("reward", justify="right")
+    table.add_column("eval acc", justify="right")
+    for row in result["epochs"]:
+        m = row["metrics"]
+        states = row["phases"]
+        if wide:
+            cells = [states[p] for p in states]
+        elif all(state in ("committed", "pruned", NOT_PLANNED) for state in states.values()):
+            pruned = [p for p, state in states.items() if state == "pruned"]
+            cells = ["all committed" + (f" ({', '.join(pruned)} pruned)" if pruned else "")]
+        else:
+            cells = ["; ".join(f"{phase} {state}" for phase, state in states.items())]
+        table.add_row(str(row["epoch"]), *cells, f"{m['reward_mean']:.3f}" if "reward_mean" in m else "",
+                      f"{m['eval_accuracy']:.3f}" if "eval_accuracy" in m else "")
+    return table
 
 
 @app.command()

@@ -78,6 +78,11 @@ def _row_from_record(record: Any, where: str) -> dict[str, Any]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [row for _where, row in _jsonl_rows(path)]
+
+
+def _jsonl_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` per non-blank line; ``where`` is ``path:line``."""
     rows = []
     raw = path.read_bytes()
     try:
@@ -96,42 +101,50 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); fix or remove "
                             f"the line") from None
-        rows.append(_row_from_record(record, f"{path}:{number}"))
+        rows.append((f"{path}:{number}", _row_from_record(record, f"{path}:{number}")))
     return rows
 
 
 def read_parquet(path: Path) -> list[dict[str, Any]]:
+    return [row for _where, row in _parquet_rows(path)]
+
+
+def _parquet_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises many types for a bad file
         raise DataError(f"{path}: not a readable parquet file ({err})") from None
-    return [_row_from_record(record, f"{path} row {i}") for i, record in enumerate(table.to_pylist())]
+    return [(f"{path} row {i}", _row_from_record(record, f"{path} row {i}"))
+            for i, record in enumerate(table.to_pylist())]
 
 
 def load_rows(source: str, split: str, seed: int, size: int) -> list[dict[str, Any]]:
     """Normalised rows of a data source; raises DataError naming the problem and the fix."""
     if source in (BUILTIN_ARITH, BUILTIN_ARITH_CHAT):
-        rows = arith_rows(seed, split, size, chat=source == BUILTIN_ARITH_CHAT)
+        located = [(f"{source} #{i}", row) for i, row in
+                   enumerate(arith_rows(seed, split, size, chat=source == BUILTIN_ARITH_CHAT))]
     else:
         path = Path(source[len("file://") :] if source.startswith("file://") else source)
         if not path.is_file():
             raise DataError(f"data.{split}: file {path} does not exist")
         if path.suffix == ".parquet":
-            rows = read_parquet(path)
+            located = _parquet_rows(path)
         elif path.suffix in (".jsonl", ".json"):
-            rows = read_jsonl(path)
+            located = _jsonl_rows(path)
         else:
             raise DataError(f"data.{split}: {path} must be .jsonl or .parquet")
-    if not rows:
+    if not located:
         raise DataError(f"data.{split}: {source} holds no prompts; point it at a non-empty file")
-    seen: set[str] = set()
-    for row in rows:
-        if row["id"] in seen:
-            raise DataError(f"data.{split}: duplicate prompt id {row['id']!r}; ids must be unique")
-        seen.add(row["id"])
-    return rows
+    first: dict[str, str] = {}
+    for where, row in located:
+        if row["id"] in first:
+            raise DataError(f"data.{split}: {where} repeats the prompt of {first[row['id']]} (id {row['id']!r}: "
+                            f"an explicit 'id', or derived from the prompt and its ground truth); ids must be "
+                            f"unique: remove the repeat or give each row its own 'id'")
+        first[row["id"]] = where
+    return [row for _where, row in located]
 
 
 def prompt_text(prompt: str | list[dict[str, str]], tokenizer: Any) -> str:

@@ -62,6 +62,13 @@ def read_events(store: ObjectStore, layout: Layout, limit: int | None = None) ->
     return [event for key in keys if (event := _read_event(store, key)) is not None]
 
 
+def recent_events(store: ObjectStore, layout: Layout, kind: str, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` events of ``kind``, newest first: chosen by their keys' names (which carry the
+    kind), so only those events are read."""
+    keys = [key for key in store.list(layout.events + "/") if f"-{kind}-" in key.rsplit("/", 1)[-1]]
+    return [event for key in reversed(keys[-limit:]) if (event := _read_event(store, key)) is not None]
+
+
 def follow_events(store: ObjectStore, layout: Layout, every: float = 1.0) -> Iterator[dict[str, Any]]:
     """Events as they are recorded, oldest first, forever (a process watching a run; never breaks it)."""
     seen: set[str] = set()

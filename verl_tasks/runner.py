@@ -71,8 +71,9 @@ def run_in_process(ctx: PhaseContext, phase: str, epoch: int, batches: list[int 
             except Exception as err:  # noqa: BLE001 - the shared policy decides what a failure means
                 step = after_failure(ft, batched, err, tries)
                 where = f"{phase} of epoch {epoch}" + (f" batch {batch}" if batch is not None else "")
-                log.warning("%s failed (try %d of %d): %s: %s; %s", where, tries, 1 + ft.retries,
-                            type(err).__name__, err, next_step_text(step, err, ft))
+                tried = "" if step == RAISE and tries == 1 else f" (try {tries} of {1 + ft.retries})"
+                log.warning("%s failed%s: %s: %s; %s", where, tried, type(err).__name__, err,
+                            next_step_text(step, err, ft))
                 if step == RAISE:
                     raise
                 if step == LEAVE_OUT:

@@ -21,6 +21,8 @@ from verl_tasks.store.base import ObjectStore
 from verl_tasks.store.conventions import quarantine_records, read_best, read_latest, read_skipped
 from verl_tasks.store.units import MARKER, PRUNED, is_committed, read_marker
 
+# An evaluation the run does not make after this epoch (evaluate.every): not missing.
+NOT_PLANNED = "not planned"
 READERS = 8  # concurrent marker reads (S3 round trips overlap; a local disk does not mind)
 UPDATE_METRICS = ("reward_mean", "reward_std", "actor/loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
                   "actor/entropy")
@@ -86,14 +88,16 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``,
         and ``parent``: ``{"experiment", "version", ...}`` of the snapshot a fork or a scheduled child
         started from, else None),
-        ``quarantined``, ``warnings``, ``safe_mode`` (the record while the experiment is halted, else None)
-        and ``finished`` (every epoch left nothing to do: a run would compute nothing).
+        ``quarantined``, ``warnings``, ``safe_mode`` (the record while the experiment is halted, else None),
+        ``failures`` (``open_failures``) and ``finished`` (every epoch left nothing to do: a run would compute nothing).
     """
     layout = Layout(config.experiment)
     keys = set(store.list(layout.root + "/epochs/")) | set(store.list(layout.snapshots + "/"))
     rows: list[dict[str, Any]] = []
     for epoch in range(config.epochs):
         phases = {phase: phase_state(phase, units, keys) for phase, units in epoch_units(config, layout, epoch).items()}
+        if phases["evaluate"] == "absent" and not config.should_evaluate(epoch):
+            phases["evaluate"] = NOT_PLANNED
         if any(state != "absent" for state in phases.values()):
             rows.append({"epoch": epoch, "phases": phases, "metrics": {}})
             if f"{layout.skipped(epoch)}/{MARKER}" in keys:  # batches the epoch went on without
@@ -128,11 +132,29 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")},
                  "parent": base_origin(store, config.experiment)},
         "safe_mode": read_safe_mode(store, layout),
+        "failures": open_failures(store, layout),
         # epoch_done's rule, read off the listing above instead of one store call per epoch.
         "finished": all(f"{layout.snapshot(e + 1)}/{MARKER}" in keys and (
             not config.should_evaluate(e, config.epochs) or f"{layout.evaluate(e)}/{MARKER}" in keys)
             for e in range(config.epochs)),
     }
+
+
+FAILURES_READ = 50  # the newest failed attempts looked at
+
+
+def open_failures(store: ObjectStore, layout: Layout) -> list[dict[str, Any]]:
+    """The newest failed attempt of each unit that is still not committed (a prepare that could not read
+    its data, a plan, a batch out of its retries), newest first: ``unit``, ``phase``, ``attempt``, ``error``."""
+    from verl_tasks.events import recent_events
+
+    found: dict[str, dict[str, Any]] = {}
+    for event in recent_events(store, layout, "failed", FAILURES_READ):
+        unit = event.get("unit")
+        if isinstance(unit, str) and unit not in found and not is_committed(store, unit):
+            found[unit] = {"unit": unit, "phase": event.get("phase"), "attempt": event.get("attempt"),
+                           "error": str(event.get("error", ""))[:500], "time": event.get("time")}
+    return list(found.values())
 
 
 def base_origin(store: ObjectStore, experiment: str) -> dict[str, Any] | None:
@@ -147,4 +169,4 @@ def base_origin(store: ObjectStore, experiment: str) -> dict[str, Any] | None:
     return origin if isinstance(origin, dict) and origin.get("experiment") else None
 
 
-__all__ = ["status", "base_origin", "epoch_units", "phase_state", "marker_metrics", "latest_snapshot"]
+__all__ = ["status", "base_origin", "open_failures", "epoch_units", "phase_state", "marker_metrics", "latest_snapshot"]

@@ -40,7 +40,10 @@ def prepare_data(ctx: PhaseContext, split: str) -> CommitRecord:
     size = cfg.data.train_size if split == "train" else cfg.data.eval_size
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
-        rows = data_mod.load_rows(source, split, cfg.seed, size)
+        try:
+            rows = data_mod.load_rows(source, split, cfg.seed, size)
+        except DataError as err:  # name the phase that read the file: the task that failed is plan's
+            raise DataError(f"prepare, reading data.{split}: {err}") from None
         tokenizer = _tokenizer_for(ctx)
         too_long = []
         for row in rows:
