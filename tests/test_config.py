@@ -122,7 +122,10 @@ def test_a_sharded_engine_must_be_vllm_and_get_as_many_gpus_as_shards(tiny_confi
         tiny_config(**{"rollout.tensor_parallel_size": 2, "resources.rollout.num_gpus": 2})
     with pytest.raises(ConfigError, match="set resources.rollout.num_gpus: 2"):
         tiny_config(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2})
-    cfg = tiny_config(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "resources.rollout.num_gpus": 2})
+    with pytest.raises(ConfigError, match="set resources.evaluate.num_gpus: 2"):  # evaluate builds the same engine
+        tiny_config(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "resources.rollout.num_gpus": 2})
+    cfg = tiny_config(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "resources.rollout.num_gpus": 2,
+                         "resources.evaluate.num_gpus": 2})
     assert cfg.rollout.tensor_parallel_size == 2
     assert "tensor_parallel_size" not in tiny_config().hashed_view()["rollout"]  # pins made before it stay valid
 

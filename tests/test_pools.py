@@ -345,7 +345,7 @@ def test_a_sharded_engine_worker_holds_its_gpus_as_one_placement_group(gpu_head,
         live = [(a.name, a.state, a.pid) for a in list_actors(filters=[("state", "!=", "DEAD")])]
         raise AssertionError(f"{err}; available {ray.available_resources()}; live actors {live}") from None
     cfg = tiny_config(f"file://{tmp_path}/store", **{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2,
-                                                      "resources.rollout.num_gpus": 2,
+                                                      "resources.rollout.num_gpus": 2, "resources.evaluate.num_gpus": 2,
                                                       "resources.rollout.idle_release_s": 3})
     shape = pools.PoolShape.for_phase(cfg, "rollout")
     [actor] = pools.pool_actors(shape)

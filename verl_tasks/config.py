@@ -34,7 +34,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps": 0,
                     "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1,
                     "rollout.enforce_eager": None, "rollout.batch_invariant": False, "model.train_dtype": "float32",
-                    "rewards.cpu_limit_s": None, "rewards.max_processes": 64}
+                    "rewards.cpu_limit_s": None, "rewards.max_processes": 64, "evaluate.regression_margin": 0.05}
 # What engines sharing one GPU may take of its memory together (CUDA contexts and the framework need the rest).
 SHARED_GPU_MEMORY = 0.9
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
@@ -183,7 +183,7 @@ class AlgorithmConfig(Strict):
     kl_type: KLType = KLType.none
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-4, gt=0, description="required in every experiment (no rate suits every model)")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     minibatch_size: int = Field(64, gt=0, description="sequences per optimizer step")
@@ -258,6 +258,10 @@ class RewardsConfig(Strict):
 class EvaluateConfig(Strict):
     every: int = Field(1, ge=0, description="evaluate every k epochs; 0 = only the last")
     max_prompts: int = Field(200, gt=0)
+    regression_margin: float = Field(
+        0.05, ge=0, le=1, description="a warning (status, the Training page, an accuracy_regression event) when "
+                                      "held-out accuracy is more than this below the base's for two evaluations "
+                                      "in a row")
 
 
 class QualityConfig(Strict):
@@ -666,6 +670,7 @@ TRIGGER_BOUNDS: dict[str, Bound | None] = {
     "rollout.prompts_per_batch": Bound(4, 16),
     "evaluate.every": Bound(None, 1000),
     "evaluate.max_prompts": Bound(4, 64),
+    "evaluate.regression_margin": Bound(None, 1.0),
 }
 
 
@@ -764,7 +769,7 @@ def _describe(err: ValidationError) -> str:
 
 
 def parse_config(raw: dict[str, Any], overrides: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Validate a mapping (plus dotted-key overrides) into an ExperimentConfig."""
+    """Validate a mapping (plus dotted-key overrides) into an ExperimentConfig. ``algorithm.lr`` must be given."""
     data = copy.deepcopy(raw)
     for dotted, value in (overrides or {}).items():
         node = data
@@ -774,6 +779,12 @@ def parse_config(raw: dict[str, Any], overrides: dict[str, Any] | None = None) -
             if not isinstance(node, dict):
                 raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
         node[parts[-1]] = value
+    algorithm = data.get("algorithm")
+    if not (isinstance(algorithm, dict) and "lr" in algorithm):
+        # No learning rate is safe across models: an experiment must say it rather than inherit one.
+        raise ConfigError("algorithm.lr is not set, and no default suits every model (verl's examples train "
+                          "0.5B-7B chat models at 1e-6; the built-in tiny model learns at 1e-4; a rate 10x too high "
+                          "unlearns the task in a few epochs): set algorithm.lr")
     try:
         return ExperimentConfig.model_validate(data)
     except ValidationError as err:

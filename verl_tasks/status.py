@@ -114,6 +114,10 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         row["metrics"].update({k: update[k] for k in UPDATE_METRICS if k in update})
         row["metrics"].update({k: v for k, v in metrics.get(layout.evaluate(row["epoch"]), {}).items()
                                if k.startswith("eval_")})
+    base_metrics = metrics.get(layout.base_evaluate, {})
+    regression = accuracy_regression(base_metrics.get("eval_accuracy"),
+                                     [(row["epoch"], row["metrics"].get("eval_accuracy")) for row in rows],
+                                     config.evaluate.regression_margin)
     # A re-pin quarantines the data and base/evaluate units too.
     prelude = set(store.list(layout.root + "/data/")) | set(store.list(layout.root + "/base/"))
     quarantined = quarantine_records(store, keys | prelude)
@@ -124,7 +128,7 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
             f"{q['unit']} was quarantined ({q['reason']})"
             + ("; recomputed since" if q["recovered"] else "; not recomputed yet")
             for q in quarantined
-        ],
+        ] + ([regression_text(regression, config)] if regression else []),
         "store": store.uri,
         "epochs": rows,
         "latest_snapshot": latest_snapshot(store, layout),
@@ -138,6 +142,29 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
             not config.should_evaluate(e, config.epochs) or f"{layout.evaluate(e)}/{MARKER}" in keys)
             for e in range(config.epochs)),
     }
+
+
+def accuracy_regression(base: float | None, evaluated: list[tuple[int, float | None]], margin: float
+                        ) -> dict[str, Any] | None:
+    """The newest two evaluations in a row whose held-out accuracy is more than ``margin`` below the
+    base's, as ``{"base", "margin", "epochs": [(epoch, accuracy), (epoch, accuracy)]}``; None otherwise.
+    ``evaluated``: (epoch, accuracy or None) in epoch order; epochs without an evaluation are passed over."""
+    scored = [(epoch, acc) for epoch, acc in evaluated if acc is not None]
+    if base is None or len(scored) < 2:
+        return None
+    below = [acc < base - margin for _epoch, acc in scored]
+    for i in range(len(scored) - 1, 0, -1):
+        if below[i] and below[i - 1]:
+            return {"base": base, "margin": margin, "epochs": [scored[i - 1], scored[i]]}
+    return None
+
+
+def regression_text(found: dict[str, Any], config: ExperimentConfig) -> str:
+    (e1, a1), (e2, a2) = found["epochs"]
+    return (f"held-out accuracy is more than {found['margin']:g} below the base's {found['base']:.3f} for two "
+            f"evaluations in a row (epoch {e1}: {a1:.3f}, epoch {e2}: {a2:.3f}); check algorithm.lr "
+            f"({config.algorithm.lr:g}) and the KL settings, and roll back to a better snapshot if it persists "
+            f"(verl-tasks rollback; evaluate.regression_margin sets this warning)")
 
 
 FAILURES_READ = 50  # the newest failed attempts looked at
@@ -169,4 +196,5 @@ def base_origin(store: ObjectStore, experiment: str) -> dict[str, Any] | None:
     return origin if isinstance(origin, dict) and origin.get("experiment") else None
 
 
-__all__ = ["status", "base_origin", "open_failures", "epoch_units", "phase_state", "marker_metrics", "latest_snapshot"]
+__all__ = ["status", "accuracy_regression", "base_origin", "open_failures", "epoch_units", "phase_state",
+           "marker_metrics", "latest_snapshot"]

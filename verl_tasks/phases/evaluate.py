@@ -5,6 +5,7 @@ answer under the built-in scorers and verl's rule-based ones).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from verl_tasks import data as data_mod
@@ -17,6 +18,7 @@ from verl_tasks.rewards.sandbox import scoring_sandbox
 from verl_tasks.store.units import CommitRecord, UnitWriter
 
 CHUNK = 256
+log = logging.getLogger(__name__)
 
 
 def evaluate_version(ctx: PhaseContext, version: int, unit: str, epoch: int) -> CommitRecord:
@@ -72,7 +74,26 @@ def evaluate(ctx: PhaseContext, epoch: int) -> CommitRecord:
 
     With ``storage.keep_best_by`` retention runs again: this evaluation may name a new best.
     """
-    evaluate_base(ctx)
+    base = evaluate_base(ctx)
     record = evaluate_version(ctx, epoch + 1, ctx.layout.evaluate(epoch), epoch)
     retain_after_evaluate(ctx)  # the version just evaluated (or an older best) may go now
+    warn_on_regression(ctx, epoch, base, record)
     return record
+
+
+def warn_on_regression(ctx: PhaseContext, epoch: int, base: CommitRecord, record: CommitRecord) -> None:
+    """An ``accuracy_regression`` event when this evaluation and the previous one are both more than
+    ``evaluate.regression_margin`` below the base's accuracy (status and the Training page say it too)."""
+    from verl_tasks.status import accuracy_regression, marker_metrics
+
+    earlier = [e for e in range(epoch) if ctx.config.should_evaluate(e)]
+    previous = marker_metrics(ctx.store, [ctx.layout.evaluate(earlier[-1])]) if earlier else {}
+    evaluated = [(e, m.get("eval_accuracy")) for e, m in zip(earlier[-1:], previous.values(), strict=True)]
+    evaluated.append((epoch, record.meta.get("metrics", {}).get("eval_accuracy")))
+    found = accuracy_regression(base.meta.get("metrics", {}).get("eval_accuracy"), evaluated,
+                                ctx.config.evaluate.regression_margin)
+    if found and found["epochs"][-1][0] == epoch:
+        record_event(ctx.store, ctx.layout, "accuracy_regression", epoch=epoch, base=found["base"],
+                     margin=found["margin"], epochs=found["epochs"])
+        log.warning("held-out accuracy of epoch %d is more than %g below the base's for two evaluations in a row",
+                    epoch, found["margin"])
