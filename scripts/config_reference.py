@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import enum
+import inspect
 import json
 import re
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -106,11 +108,20 @@ def describe_default(field: FieldInfo) -> str:
 
 
 def plain(text: str) -> str:
-    """A docstring or description as Markdown: ``x`` -> `x`, one paragraph per blank line."""
-    text = text.replace("``", "`")
-    paragraphs = [" ".join(line.strip() for line in block.splitlines() if line.strip())
-                  for block in re.split(r"\n\s*\n", text)]
-    return "\n\n".join(p for p in paragraphs if p)
+    """A docstring or description as Markdown: ``x`` -> `x`, one paragraph per blank line; a paragraph
+    ending in ``::`` introduces an indented literal block, kept line by line in a fenced block."""
+    text = inspect.cleandoc(text).replace("``", "`")
+    out: list[str] = []
+    literal = False
+    for block in re.split(r"\n\s*\n", text):
+        if literal and block.startswith(" "):
+            out.append("```\n" + textwrap.dedent(block).strip("\n") + "\n```")
+            continue
+        paragraph = " ".join(line.strip() for line in block.splitlines() if line.strip())
+        literal = paragraph.endswith("::")
+        if paragraph:
+            out.append(paragraph[:-1] if literal else paragraph)
+    return "\n\n".join(out)
 
 
 def pinned_keys() -> set[str]:

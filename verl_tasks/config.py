@@ -133,10 +133,23 @@ class ModelConfig(Strict):
 
 class DataConfig(Strict):
     """Prompt data: ``builtin:arith`` (generated ``a+b=`` prompts), ``builtin:arith-chat`` (the same
-    problems as a chat message for a chat model), or a JSONL / verl-format parquet file."""
+    problems as a chat message for a chat model), or a JSONL / verl-format parquet file.
 
-    train: str = "builtin:arith"
-    eval: str = "builtin:arith"
+    A JSONL file holds one JSON object per line (blank lines are skipped)::
+
+        {"prompt": "What is 12+30?", "ground_truth": "42", "data_source": "arith", "extra_info": {"index": 7}}
+        {"prompt": [{"role": "user", "content": "What is 12+30?"}], "reward_model": {"ground_truth": "42"}}
+
+    ``prompt``: a non-empty string, or chat messages (``role`` and string ``content``) rendered with the
+    model's chat template. ``ground_truth`` or ``reward_model.ground_truth``: what the reward function
+    compares with. Optional: ``data_source`` and ``extra_info`` (passed to the reward function as verl
+    passes them), ``id`` (unique; by default ``extra_info.index``, else a hash of the prompt and its
+    ground truth). A verl parquet file has the same columns. Errors name the file and line.
+    """
+
+    train: str = Field("builtin:arith", description="builtin:arith, builtin:arith-chat, or a .jsonl/.parquet "
+                                                     "path (the record format above)")
+    eval: str = Field("builtin:arith", description="held-out prompts, same forms as train")
     train_size: int = Field(2000, gt=0, description="prompts generated for builtin:arith(-chat)")
     eval_size: int = Field(200, gt=0)
     max_prompt_tokens: int = Field(64, gt=0)

@@ -60,6 +60,13 @@ def test_params_schema():
         params.get_param("epochs").resolve(99)
 
 
+def test_the_forms_parent_defaults_to_the_scheduled_parent_where_there_is_one():
+    """What the form says is what configure does (``runconfig.default_parent``): a retraining DAG's manual
+    ``resume=snapshot`` starts from its ``schedule.parent``, any other DAG's from its own experiment."""
+    assert "Defaults to 'tiny-arith' (schedule.parent)" in build_dag(SCHEDULED).params.get_param("parent").description
+    assert "Defaults to 'tiny-arith' (this DAG's experiment)" in build_dag(TINY).params.get_param("parent").description
+
+
 def test_scheduled_dag_uses_cron_and_parent():
     dag = build_dag(SCHEDULED)
     assert type(dag.timetable).__name__ == "CronTriggerTimetable" and dag.timetable.expression == "0 3 * * *"

@@ -71,7 +71,8 @@ def _params(raw: dict[str, Any], cfg) -> dict[str, Param]:
         "from_snapshot": Param(None, type=["null", "integer"], minimum=0, title="From snapshot (resume=snapshot)",
                                description="A snapshot version of `parent`; empty: its latest snapshot."),
         "parent": Param(None, type=["null", "string"], title="Parent experiment (resume=snapshot)",
-                        description=f"Defaults to {cfg.experiment!r}."),
+                        description=f"Defaults to {runconfig.default_parent(raw)!r}"
+                                    + (" (schedule.parent)." if cfg.schedule.parent else " (this DAG's experiment).")),
         "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=int(limits["epochs"][0]), title="Epochs",
                         description="At most the epochs in the YAML (the DAG's shape); later epoch groups skip."),
         "overrides": Param({}, type="object", title="Other hyperparameters",

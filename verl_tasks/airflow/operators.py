@@ -140,7 +140,7 @@ class ConfigureExperimentOperator(_RunConfigMixin, BaseOperator):
             raise SafeMode(halted_message(cfg.experiment, halted))
         preflight(cfg.rewards)  # the reward function imports in its sandbox here, before any compute
         mode = params.get("resume") or "latest"
-        parent = params.get("parent") or runconfig.read_yaml(self.config_path)["experiment"]
+        parent = params.get("parent") or runconfig.default_parent(runconfig.read_yaml(self.config_path))
         version = params.get("from_snapshot")
         started = start_experiment(store, cfg, resume=mode, parent=parent if mode == "snapshot" else None,
                                    version=None if version is None else int(version),

@@ -171,3 +171,10 @@ def resolve(yaml_path: str | Path, params: dict[str, Any] | None, dag_run: Any =
     cfg = parse_config(raw, overrides)
     check_bounds(cfg, dag_config(raw), asked, params, yaml_path)
     return cfg
+
+
+def default_parent(raw: dict[str, Any]) -> str:
+    """The experiment a ``resume=snapshot`` run starts from when the form names none: the YAML's
+    ``schedule.parent`` (a retraining DAG's), else its own experiment."""
+    schedule = raw.get("schedule") or {}
+    return str((schedule.get("parent") if isinstance(schedule, dict) else None) or raw["experiment"])
