@@ -141,3 +141,15 @@ def test_a_dumped_config_parses_again_and_only_the_update_has_a_strategy(tiny_co
     assert again.phase_resources("rollout").num_gpus == 1 and again.phase_resources("update").workers == 2
     with pytest.raises(ConfigError, match="strategy, cpu_offload and mixed_precision are the update's"):
         tiny_config(**{"resources.rollout.strategy": "fsdp2"})
+
+
+def test_every_shipped_experiment_loads():
+    """The YAMLs under dags/experiments are what people copy: each one parses and validates as shipped."""
+    from verl_tasks.config import load_config
+
+    from .conftest import ROOT
+
+    shipped = sorted((ROOT / "dags" / "experiments").glob("*.yaml"))
+    assert {p.name for p in shipped} >= {"tiny_arith.yaml", "smollm2_arith.yaml", "smollm2_arith_vllm.yaml"}
+    engines = {p.name: load_config(p).rollout.engine for p in shipped}
+    assert engines["smollm2_arith_vllm.yaml"] == "vllm"

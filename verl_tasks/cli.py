@@ -1,4 +1,4 @@
-"""``verl-tasks``: run, inspect and repair experiments from a shell."""
+"""verl-tasks: run, inspect and repair experiments from a shell."""
 from __future__ import annotations
 
 import atexit
@@ -20,7 +20,8 @@ from rich.table import Table
 from verl_tasks.config import ExperimentConfig, load_config
 from verl_tasks.errors import VerlTasksError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+# Plain help (click's): every option with its help text, no type placeholders on flags.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 console = Console(stderr=True)
 out = Console()
 
@@ -428,7 +429,7 @@ def _print_event(event: dict) -> None:
 
 # --- operations after a fault: checkpoint, rollback, gc, resume -------------------------------------
 
-checkpoint_app = typer.Typer(no_args_is_help=True, help="Verify, inspect and export snapshots.")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Verify, inspect and export snapshots.", rich_markup_mode=None)
 app.add_typer(checkpoint_app, name="checkpoint")
 ENDPOINT_HELP = "S3 endpoint (else $VERL_TASKS_S3_ENDPOINT)"
 
@@ -437,7 +438,7 @@ ENDPOINT_HELP = "S3 endpoint (else $VERL_TASKS_S3_ENDPOINT)"
 def checkpoint_verify(
     uri: str = typer.Argument(..., help="a snapshot (.../EXP/snapshots/00003) or an experiment root (all snapshots)"),
     endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON list: each snapshot's verdict and problems"),
 ) -> None:
     """Hash every file against its manifest, load the weights and run a forward pass; exit 1 if any fails."""
     _setup_logging(False)
@@ -490,7 +491,7 @@ def checkpoint_export_hf(
     console.print(f"exported {refs[-1].store.url(refs[-1].unit)} to {target} ({len(files)} files)")
 
 
-model_app = typer.Typer(no_args_is_help=True,
+model_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="Bring a pretrained model into a folder `model.name_or_path` can name.")
 app.add_typer(model_app, name="model")
 
