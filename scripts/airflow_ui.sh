@@ -3,7 +3,8 @@
 # UI on http://127.0.0.1:${AIRFLOW_PORT:-8080}: log in as `admin` with the password standalone generates in
 # $AIRFLOW_HOME/simple_auth_manager_passwords.json.generated (.airflow/ by default); Training page in the nav.
 # Ctrl-C stops everything within seconds: standalone runs in its own process group, which is terminated
-# (then killed) as a whole, so no scheduler, triggerer or dag-processor outlives it; then the Ray head stops.
+# (then killed) as a whole, so no scheduler, triggerer or dag-processor outlives it; then the Ray head stops
+# and its session logs go.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
@@ -33,7 +34,8 @@ cleanup() {
   "$PY" -m verl_tasks.execution.local_head stop --state-dir "$STATE" || true
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+# Ctrl-C (or a SIGTERM) is how this is stopped: a normal stop, so the exit status is 0 and make reports no error.
+trap 'exit 0' INT TERM
 "$PY" -m verl_tasks.execution.local_head start --state-dir "$STATE" \
   --port "${VERL_TASKS_HEAD_PORT:-6399}" --dashboard-port "${VERL_TASKS_HEAD_DASHBOARD_PORT:-8275}"
 eval "$("$PY" -m verl_tasks.execution.local_head env --state-dir "$STATE")"

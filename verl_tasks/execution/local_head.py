@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import stat
@@ -471,7 +472,20 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
     except ChildProcessError:
         pass
     path.unlink(missing_ok=True)
+    _remove_sessions(Path(info.tmpdir))
     return True
+
+
+def _remove_sessions(tmpdir: Path) -> None:
+    """Delete what the stopped head left in its Ray temp folder (session logs, sockets): the folder itself
+    stays, recorded in the state folder for the next head."""
+    if not tmpdir.name.startswith("vt-ray-") or not tmpdir.is_dir() or tmpdir.is_symlink():
+        return
+    for entry in tmpdir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
