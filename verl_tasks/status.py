@@ -79,8 +79,10 @@ def latest_snapshot(store: ObjectStore, layout: Layout) -> dict[str, Any] | None
             "uri": pointer.get("uri"), "weights_sha256": pointer.get("weights_sha256")}
 
 
-def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
+def status(config: ExperimentConfig, store: ObjectStore, events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Per epoch, each phase's state and metrics; the latest snapshot; the base policy's metrics.
+
+    ``events``: the event log, when the caller read it already (it is then not listed again).
 
     Returns:
         ``experiment``, ``store`` (URI), ``epochs`` (rows with ``epoch``, ``phases``: phase -> state,
@@ -136,7 +138,7 @@ def status(config: ExperimentConfig, store: ObjectStore) -> dict[str, Any]:
         "base": {"metrics": {k: v for k, v in metrics[layout.base_evaluate].items() if k.startswith("eval_")},
                  "parent": base_origin(store, config.experiment)},
         "safe_mode": read_safe_mode(store, layout),
-        "failures": open_failures(store, layout),
+        "failures": open_failures(store, layout, events),
         # epoch_done's rule, read off the listing above instead of one store call per epoch.
         "finished": all(f"{layout.snapshot(e + 1)}/{MARKER}" in keys and (
             not config.should_evaluate(e, config.epochs) or f"{layout.evaluate(e)}/{MARKER}" in keys)
@@ -170,13 +172,17 @@ def regression_text(found: dict[str, Any], config: ExperimentConfig) -> str:
 FAILURES_READ = 50  # the newest failed attempts looked at
 
 
-def open_failures(store: ObjectStore, layout: Layout) -> list[dict[str, Any]]:
+def open_failures(store: ObjectStore, layout: Layout, events: list[dict[str, Any]] | None = None
+                  ) -> list[dict[str, Any]]:
     """The newest failed attempt of each unit that is still not committed (a prepare that could not read
-    its data, a plan, a batch out of its retries), newest first: ``unit``, ``phase``, ``attempt``, ``error``."""
+    its data, a plan, a batch out of its retries), newest first: ``unit``, ``phase``, ``attempt``, ``error``.
+    ``events``: the log in time order, when the caller has read it already (else the failed ones are read)."""
     from verl_tasks.events import recent_events
 
+    failed = ([e for e in reversed(events) if e.get("kind") == "failed"][:FAILURES_READ] if events is not None
+              else recent_events(store, layout, "failed", FAILURES_READ))
     found: dict[str, dict[str, Any]] = {}
-    for event in recent_events(store, layout, "failed", FAILURES_READ):
+    for event in failed:
         unit = event.get("unit")
         if isinstance(unit, str) and unit not in found and not is_committed(store, unit):
             found[unit] = {"unit": unit, "phase": event.get("phase"), "attempt": event.get("attempt"),

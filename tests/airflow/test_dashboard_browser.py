@@ -26,6 +26,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
 EXPERIMENT, DAG_ID, EPOCHS = "browser-demo", "vt_browser", 6
+CHILD = "browser-demo-child"  # started from the experiment's last snapshot, trained one epoch
 FAILS_ONCE = (1, 2)  # (epoch, batch) of the rollout unit whose first try fails
 FAULT = "worker lost (a fault the test injects before the commit)"
 
@@ -69,6 +70,11 @@ def _train(config: Path) -> dict:
     finally:
         hooks.unregister("before_commit", fail_once)
     assert failed, "the fault was never injected"
+    from verl_tasks.execution.lineage import start_experiment
+
+    child = make_context(load_config(config, {"experiment": CHILD, "epochs": 1}))
+    start_experiment(child.store, child.config, resume="snapshot", parent=EXPERIMENT, version=None)
+    train(child, 1)
     return status
 
 
@@ -113,8 +119,9 @@ def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
             training = page.get_by_role("link", name="Training")
             expect(training).to_be_visible(timeout=60_000)  # a top-level entry of the main navigation
             training.click()
-            frame = page.frame_locator("iframe")
-            expect(frame.locator("h2")).to_have_text(EXPERIMENT, timeout=60_000)
+            outer = page.frame_locator("iframe")
+            expect(outer.locator("h2").first).to_have_text(EXPERIMENT, timeout=60_000)
+            frame = outer.locator(f"section[id='{EXPERIMENT}']")
             # The run's own latest snapshot (the hash of the weights it trained) and base accuracy.
             source = frame.locator("p.src")
             expect(source).to_contain_text(f"latest snapshot: version {EPOCHS} at")
@@ -137,10 +144,23 @@ def test_dashboard_through_the_airflow_ui_in_chromium(airflow_ui, tmp_path):
             for title in ("reward (mean)", "eval accuracy", "KL", "clip fraction", "entropy", "grad norm"):
                 expect(chart.get_by_text(title, exact=True)).to_be_visible()
             expect(frame.locator("table.snapshots tr")).to_have_count(EPOCHS + 1)
+            # What the model says: a few rollout samples of the newest epochs (prompt, answer, reward, length).
+            samples = frame.locator("table.samples tr")
+            expect(samples).to_have_count(1 + 3 * 4)  # header + 4 samples of each of the 3 newest epochs
+            expect(samples.nth(1).locator("td").first).to_have_text(str(EPOCHS - 1))
+            expect(samples.nth(1).locator("td.text").first).to_have_text(re.compile(r"^\d+\+\d+=$"))
+            # The child run, drawn over its parent: one chart, a line per experiment, both in its legend.
+            child = outer.locator(f"section[id='{CHILD}']")
+            expect(child.locator("h4.compare-title")).to_contain_text(
+                f"Against {EXPERIMENT}, its parent: this run starts from its snapshot {EPOCHS}")
+            overlay = child.locator(".chart.compare svg")
+            expect(overlay).to_be_visible()
+            for name in (EXPERIMENT, CHILD):
+                expect(overlay.get_by_text(name, exact=True).first).to_be_visible()
             page.screenshot(path=str(shot), full_page=True)
             retried.click()  # each cell links to its unit's page, inside the same frame
-            expect(frame.locator("h1")).to_have_text(unit, timeout=60_000)
-            expect(frame.locator("table.events td", has_text=f"RuntimeError: {FAULT}")).to_have_count(1)
+            expect(outer.locator("h1")).to_have_text(unit, timeout=60_000)
+            expect(outer.locator("table.events td", has_text=f"RuntimeError: {FAULT}")).to_have_count(1)
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,13 +34,14 @@ from typing import Any
 from urllib.parse import quote
 
 from verl_tasks.config import ExperimentConfig, check_name
-from verl_tasks.errors import ConfigError
+from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.layout import Layout
 from verl_tasks.ownership import read_record
 from verl_tasks.phase_registry import BATCHED, PHASE_NAMES, PHASES
 from verl_tasks.store.base import NotFound, ObjectStore
 from verl_tasks.store.units import MARKER, read_marker
 
+log = logging.getLogger(__name__)
 EVENTS_SHOWN = 50
 MAX_EVENTS_READ = 20_000
 MAX_EXPERIMENTS_LISTED = 200
@@ -426,8 +428,18 @@ def step_chart_rows(store: ObjectStore, layout: Layout, rows: list[dict[str, Any
             if isinstance(step.get(key), (int, float))]
 
 
+def overlay_rows(own: list[dict[str, Any]], other: list[dict[str, Any]], names: tuple[str, str],
+                 own_offset: int) -> list[dict[str, Any]]:
+    """Long-form per-epoch rows of two experiments on one x axis, each row naming its ``experiment``: the
+    other's epochs as they are, this one's shifted by ``own_offset`` (a child that started from its
+    parent's snapshot ``V`` continues the parent's count at ``V``)."""
+    return ([{**row, "x": row["x"] + own_offset, "experiment": names[0]} for row in chart_rows(own)]
+            + [{**row, "experiment": names[1]} for row in chart_rows(other)])
+
+
 def curves_svg(data: list[dict[str, Any]], x_title: str = "epoch") -> str:
-    """The curves as one SVG (Vega-Lite through altair, rendered here by vl-convert: no JS, no CDN).
+    """The curves as one SVG (Vega-Lite through altair, rendered here by vl-convert: no JS, no CDN); rows
+    naming an ``experiment`` are drawn one colour per experiment.
 
     The same data gives the same picture, so the newest few are kept (a page reloaded between two
     commits does not draw again)."""
@@ -440,29 +452,81 @@ def curves_svg(data: list[dict[str, Any]], x_title: str = "epoch") -> str:
 
         points = len({row["x"] for row in data}) <= 40
         titles = [title for _, title in (STEP_CURVES if x_title == "optimizer step" else CURVES)]
-        spec = dict(_curves_spec(points, x_title, tuple(titles)), datasets={"curves": data})
+        colored = "experiment" in data[0]
+        spec = dict(_curves_spec(points, x_title, tuple(titles), colored), datasets={"curves": data})
         _SVG_CACHE[key] = vl_convert.vegalite_to_svg(spec)
         while len(_SVG_CACHE) > SVGS_KEPT:
             _SVG_CACHE.popitem(last=False)
     return _SVG_CACHE[key]
 
 
-@functools.lru_cache(maxsize=4)
-def _curves_spec(points: bool, x_title: str, titles: tuple[str, ...]) -> dict[str, Any]:
-    """The chart without its data (a named dataset): one small panel per curve, each with its own scale."""
+@functools.lru_cache(maxsize=8)
+def _curves_spec(points: bool, x_title: str, titles: tuple[str, ...], colored: bool = False) -> dict[str, Any]:
+    """The chart without its data (a named dataset): one small panel per curve, each with its own scale;
+    ``colored``: one line per ``experiment``, with a legend."""
     import altair as alt
 
+    encoding: dict[str, Any] = {
+        "x": alt.X("x:Q", title=x_title, axis=alt.Axis(tickMinStep=1, format="d")),
+        "y": alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
+        "tooltip": [*(["experiment:N"] if colored else []), "metric:N", alt.Tooltip("x:Q", title=x_title),
+                    alt.Tooltip("value:Q", format=".4f")]}
+    if colored:
+        encoding["color"] = alt.Color("experiment:N", title=None, legend=alt.Legend(orient="top"))
     chart = (
         alt.Chart(alt.NamedData(name="curves"))
         .mark_line(point=points)
-        .encode(x=alt.X("x:Q", title=x_title, axis=alt.Axis(tickMinStep=1, format="d")),
-                y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
-                tooltip=["metric:N", alt.Tooltip("x:Q", title=x_title), alt.Tooltip("value:Q", format=".4f")])
+        .encode(**encoding)
         .properties(width=230, height=130)
         .facet(facet=alt.Facet("metric:N", sort=list(titles), title=None), columns=3)
         .resolve_scale(y="independent")
     )
     return chart.to_dict()
+
+
+SAMPLES_SHOWN = 4  # rollout samples per epoch on the page
+SAMPLE_EPOCHS = 3  # the newest epochs whose samples are shown
+SAMPLE_CHARS = 240
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, list):  # chat messages: what the user asked
+        return " / ".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict) and m.get("role") == "user")
+    return str(prompt)
+
+
+def rollout_samples(store: ObjectStore, layout: Layout, rows: list[dict[str, Any]], batches: int,
+                    per_epoch: int = SAMPLES_SHOWN, epochs: int = SAMPLE_EPOCHS) -> list[dict[str, Any]]:
+    """A few samples of the newest ``epochs`` epochs whose first batch is rolled out and scored: prompt,
+    answer, reward and length (response tokens), read from what the units committed. Which samples is
+    fixed by their ids (the smallest sha256 of the sample id), so a reload shows the same ones."""
+    from verl_tasks.store.units import read_jsonl
+
+    data = read_marker(store, layout.data("train"))
+    prompts = {row["id"]: row["prompt"] for row in read_jsonl(store, data, "prompts.jsonl")} if data else {}
+    shown: list[dict[str, Any]] = []
+    for row in sorted(rows, key=lambda r: r["epoch"], reverse=True):
+        if len({s["epoch"] for s in shown}) >= epochs:
+            break
+        epoch = row["epoch"]
+        for batch in range(batches):
+            rollout, score = (read_marker(store, layout.rollout(epoch, batch)),
+                              read_marker(store, layout.score(epoch, batch)))
+            if rollout is None or score is None:
+                continue
+            try:
+                scores = {r["sample_id"]: r["score"] for r in read_jsonl(store, score, "scores.jsonl")}
+                samples = sorted(read_jsonl(store, rollout, "samples.jsonl"),
+                                 key=lambda x: hashlib.sha256(str(x["sample_id"]).encode()).hexdigest())[:per_epoch]
+            except (StoreError, NotFound, KeyError, TypeError, ValueError) as err:  # a damaged unit: not shown
+                log.warning("no samples of %s shown: %s", layout.rollout(epoch, batch), err)
+                continue
+            shown += [{"epoch": epoch, "batch": batch, "sample_id": x["sample_id"],
+                       "prompt": _prompt_text(prompts.get(x["prompt_id"], x["prompt_id"]))[:SAMPLE_CHARS],
+                       "answer": str(x.get("response", ""))[:SAMPLE_CHARS], "reward": scores.get(x["sample_id"]),
+                       "length": len(x.get("response_ids", []))} for x in samples]
+            break
+    return shown
 
 
 def filter_events(events: list[dict[str, Any]], epoch: int | None, phase: str | None,
@@ -474,17 +538,20 @@ def filter_events(events: list[dict[str, Any]], epoch: int | None, phase: str | 
 
 
 def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | None = None,
-                    phase: str | None = None, unit_href: str = "", per_step: bool = False) -> dict[str, Any]:
+                    phase: str | None = None, unit_href: str = "", per_step: bool = False,
+                    compare: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything one experiment's section shows (see the module docstring); each grid cell links to
     ``unit_href`` followed by its unit's URL-quoted key (the unit's page). ``per_step``: the curves per
-    optimizer step (each update's ``steps.jsonl``) instead of per epoch."""
+    optimizer step (each update's ``steps.jsonl``) instead of per epoch. ``compare``: another experiment
+    the caller may show (``name``, ``rows``: its status's epochs, ``offset``: where this one's epochs
+    start on its count, ``relation``), overlaid on this one's per-epoch curves."""
     from verl_tasks.status import status
 
     if phase is not None and phase not in PHASES:
         raise ConfigError(f"unknown phase {phase!r}; use one of {', '.join(PHASE_NAMES)}")
     layout = Layout(cfg.experiment)
-    st = status(cfg, store)
     events = recent_events(store, layout)
+    st = status(cfg, store, events)
     stats = _unit_stats(events)
     return {
         "status": st,
@@ -496,6 +563,11 @@ def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | N
         "chart": (curves_svg(step_chart_rows(store, layout, st["epochs"]), "optimizer step") if per_step
                   else curves_svg(chart_rows(st["epochs"]))),
         "per_step": per_step,
+        "compare": None if compare is None else {
+            "name": compare["name"], "relation": compare["relation"], "offset": compare["offset"],
+            "chart": curves_svg(overlay_rows(st["epochs"], compare["rows"], (cfg.experiment, compare["name"]),
+                                             compare["offset"]), f"epoch ({compare['name']}'s count)")},
+        "samples": rollout_samples(store, layout, st["epochs"], cfg.rollout.batches_per_epoch),
         "events": filter_events(events, epoch, phase),
         "events_total": len(events),
         "filter": {"epoch": epoch, "phase": phase},
@@ -518,6 +590,7 @@ def store_records(store: ObjectStore, limit: int = MAX_EXPERIMENTS_LISTED) -> di
     return records
 
 
-__all__ = ["experiment_view", "store_records", "curves_svg", "chart_rows", "filter_events",
+__all__ = ["experiment_view", "store_records", "curves_svg", "chart_rows", "overlay_rows", "rollout_samples",
+           "filter_events",
            "recent_events", "refused_tasks", "safe_mode_view", "split_error", "EVENTS_SHOWN", "MAX_EVENTS_READ",
            "MAX_EXPERIMENTS_LISTED", "CURVES"]

@@ -180,18 +180,48 @@ def _templates():
     return Environment(loader=PackageLoader("verl_tasks.airflow", "templates"), autoescape=select_autoescape())
 
 
+def compare_with(source: Source, experiment: str, found: list[tuple[Source, str]],
+                 requested: str | None) -> dict[str, Any] | None:
+    """The experiment whose per-epoch curves ``experiment``'s are overlaid with: ``requested`` (``?compare=``),
+    else the parent a retrained or forked run started from; only one the user may read (among ``found``).
+    Returns what :func:`verl_tasks.airflow.dashboard.experiment_view` takes, or None."""
+    from verl_tasks.config import parse_config
+    from verl_tasks.layout import Layout
+    from verl_tasks.pinning import read_pin
+    from verl_tasks.status import base_origin, status
+
+    wanted, relation, offset = requested, "chosen", 0
+    if wanted is None:
+        origin = base_origin(source.store, experiment)
+        if not origin:
+            return None
+        wanted, relation, offset = str(origin["experiment"]), "parent", int(origin.get("version") or 0)
+    match = next(((s, n) for s, n in found if n == wanted and n != experiment), None)
+    if match is None:
+        return None
+    other_source, other = match
+    pin = read_pin(other_source.store, Layout(other))
+    config = parse_config(pin["config"], {"storage.uri": other_source.store_uri}) if pin and "config" in pin \
+        else other_source.config(other)  # its own epochs, not this DAG's
+    return {"name": other, "rows": status(config, other_source.store)["epochs"], "offset": offset,
+            "relation": relation}
+
+
 def render_section(source: Source, experiment: str, epoch: int | None = None, phase: str | None = None,
-                   per_step: bool = False) -> dict[str, Any] | str:
+                   per_step: bool = False, found: list[tuple[Source, str]] | None = None,
+                   compare: str | None = None) -> dict[str, Any] | str:
     """One experiment's view for the template, or a one-line notice when its store cannot be read.
 
     Each unit cell links to the unit's page; the safe-mode notice links each failed or refused unit's page,
-    its task instance in Airflow's UI and the run whose Clear it asks for."""
+    its task instance in Airflow's UI and the run whose Clear it asks for. The per-epoch curves are also
+    drawn against another readable experiment (``compare``, else its parent), when there is one."""
     from verl_tasks.airflow.dashboard import experiment_view
     from verl_tasks.airflow.links import run_url, task_instance_url, task_url, unit_page
 
     try:
+        against = None if per_step else compare_with(source, experiment, found or [], compare)
         view = experiment_view(source.config(experiment), source.store, epoch=epoch, phase=phase,
-                               unit_href=unit_page(source.dag_id), per_step=per_step)
+                               unit_href=unit_page(source.dag_id), per_step=per_step, compare=against)
     except Exception as err:  # noqa: BLE001 - one broken experiment must not hide the others
         if _is_access_error(err):
             return unreachable(source, err)
@@ -219,7 +249,7 @@ def _is_access_error(err: Exception) -> bool:
 
 def render_page(readable: list[Source], everyone: list[Source], *,
                 experiment: str | None = None, dag: str | None = None, epoch: int | None = None,
-                phase: str | None = None, per_step: bool = False) -> str:
+                phase: str | None = None, per_step: bool = False, compare: str | None = None) -> str:
     """The whole page for the DAGs a user may read (``per_step``: the curves per optimizer step)."""
     found, notices = find_experiments(readable, everyone)
     listed = [{"name": name, "dag": source.dag_id} for source, name in found]
@@ -233,14 +263,14 @@ def render_page(readable: list[Source], everyone: list[Source], *,
             "No experiment DAG you may read."
     sections: list[dict[str, Any]] = []
     for source, name in chosen:
-        section = render_section(source, name, epoch, phase, per_step)
+        section = render_section(source, name, epoch, phase, per_step, found, compare)
         if isinstance(section, dict):
             sections.append(section)
         else:
             notices.append(section)
     return _templates().get_template("dashboard.html").render(
         listed=listed, sections=sections, notices=notices, empty=empty,
-        query={"experiment": experiment, "dag": dag, "curves": "step" if per_step else "epoch"})
+        query={"experiment": experiment, "dag": dag, "curves": "step" if per_step else "epoch", "compare": compare})
 
 
 def render_unit(source: Source, experiment: str, key: str) -> str:
@@ -333,12 +363,13 @@ def create_app():
     @app.get("/", response_class=HTMLResponse)
     def dashboard(user=Depends(airflow_user), experiment: str | None = Query(None), dag: str | None = Query(None),
                   epoch: str | None = Query(None), phase: str | None = Query(None),
-                  curves: str = Query("epoch")) -> str:
+                  curves: str = Query("epoch"), compare: str | None = Query(None)) -> str:
         if curves not in ("epoch", "step"):
             raise HTTPException(400, f"curves={curves!r}: use epoch or step")
         readable, everyone = _readable_sources(user, dag or None)
         return render_page(readable, everyone, experiment=experiment or None, dag=dag,
-                           epoch=_epoch(epoch), phase=phase or None, per_step=curves == "step")
+                           epoch=_epoch(epoch), phase=phase or None, per_step=curves == "step",
+                           compare=compare or None)
 
     @app.get("/unit", response_class=HTMLResponse)
     def unit(user=Depends(airflow_user), dag: str = Query(...), experiment: str | None = Query(None),
