@@ -124,3 +124,30 @@ def spinning_child(data_source, solution_str, ground_truth, extra_info):
 
 def exact(data_source, solution_str, ground_truth, extra_info):
     return 1.0 if solution_str == ground_truth else 0.0
+
+
+def hold_memory(data_source, solution_str, ground_truth, extra_info):
+    """Holds as much memory as it can at once: ``extra_info["tmp_mb"]`` MB written to ``/tmp`` and to
+    ``/dev/shm`` (tmpfs in the namespaced sandbox), then ``extra_info["children"]`` children of
+    ``extra_info["mb"]`` MB each (each under the per-process limit). Returns the MB its children held
+    at once (all of them when nothing bounds the sandbox as a whole)."""
+    import tempfile
+
+    mb, children, tmp_mb = int(extra_info["mb"]), int(extra_info["children"]), int(extra_info["tmp_mb"])
+    held = 0
+    for folder in (tempfile.gettempdir(), "/dev/shm"):
+        try:
+            with open(os.path.join(folder, "fill"), "wb") as handle:
+                for _ in range(tmp_mb):
+                    handle.write(b"\1" * (1 << 20))
+        except OSError:
+            pass
+    code = (f"import sys, time\nb = bytearray({mb} << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+            "sys.stdout.write('ok'); sys.stdout.flush(); time.sleep(30)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(children)]
+    for proc in procs:
+        if proc.stdout.read(2) == b"ok":
+            held += mb
+    for proc in procs:
+        proc.kill()
+    return float(held)

@@ -1,4 +1,4 @@
-"""How the reward worker is fenced off: bubblewrap namespaces, and a pids cgroup where one can be made.
+"""How the reward worker is fenced off: bubblewrap namespaces, and one cgroup bounding its tasks and memory.
 
 Why bubblewrap (Debian's ``bubblewrap``, the ``bwrap`` binary Flatpak uses) rather than
 ``unshare`` plus a uid switch: one unprivileged exec builds the whole boundary in the right
@@ -17,8 +17,12 @@ counts them outside, though they can reach nothing: the store, the credentials a
 processes are not in their mount, PID and network namespaces. Two consequences:
 
 - ``RLIMIT_NPROC`` is not enforced for uid 0. The process limit is therefore also a pids cgroup
-  (:class:`PidsCgroup`) when this process may create one (v2, or v1's ``pids`` hierarchy);
+  (:class:`SandboxCgroup`) when this process may create one (v2, or v1's ``pids`` hierarchy);
   ``RLIMIT_NPROC`` covers the non-root case. Without either, the limit is not enforced and a
+  warning says so.
+- Memory: ``RLIMIT_AS`` bounds each process, so the same cgroup also bounds the memory of the
+  sandbox as a whole (its processes and the pages of its tmpfs ``/tmp`` and ``/dev/shm``, each
+  sized half the budget). Where no memory cgroup can be made, the per-process limit stays and a
   warning says so.
 - Files the worker reads (the interpreter, the venv, the code) are read through bind mounts the
   caller made, so what the caller can read, the worker can read; nothing needs to be opened up.
@@ -132,22 +136,29 @@ def check_namespaces() -> str:
     return bwrap
 
 
-# --- the pids cgroup -----------------------------------------------------------------------------
+# --- the sandbox's cgroup ------------------------------------------------------------------------
 
 
-def _pids_hierarchy() -> Path | None:
-    """This process's cgroup folder in a hierarchy with the pids controller, or None."""
+def _hierarchies() -> dict[str, Path]:
+    """This process's cgroup folder per controller that can bound the sandbox (``pids``, ``memory``):
+    cgroup v1 has a hierarchy per controller, v2 one folder for all the controllers it enables."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
-        return None
+        return {}
+    found: dict[str, Path] = {}
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "pids" in controllers.split(","):  # cgroup v1
-            return Path("/sys/fs/cgroup/pids") / path.lstrip("/")
-        if controllers == "" and "pids" in _read("/sys/fs/cgroup/cgroup.controllers").split():  # v2
-            return Path("/sys/fs/cgroup") / path.lstrip("/")
-    return None
+        if controllers == "":  # v2: the unified hierarchy
+            enabled = _read("/sys/fs/cgroup/cgroup.controllers").split()
+            for name in ("pids", "memory"):
+                if name in enabled and name not in found:
+                    found[name] = Path("/sys/fs/cgroup") / path.lstrip("/")
+            continue
+        for name in ("pids", "memory"):
+            if name in controllers.split(","):
+                found[name] = Path("/sys/fs/cgroup") / name / path.lstrip("/")
+    return found
 
 
 def _read(path: str | Path) -> str:
@@ -157,57 +168,100 @@ def _read(path: str | Path) -> str:
         return ""
 
 
-@dataclass
-class PidsCgroup:
-    """A cgroup of this process's pids hierarchy that caps the sandbox's tasks (processes and threads).
+# Per controller: (limit file, value) on cgroup v1, then v2; the swap files keep swap from extending memory.
+_LIMIT_FILES = {"pids": (("pids.max",), ("pids.max",)),
+                "memory": (("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"),
+                           ("memory.max", "memory.swap.max"))}
 
-    The child joins it before it execs (:meth:`join`), so everything it starts is inside, even a
+
+@dataclass
+class SandboxCgroup:
+    """The cgroups that bound the sandbox as a whole: every process and thread it starts counts against
+    ``pids``, and every page it uses (its processes' memory and what it writes to its tmpfs ``/tmp`` and
+    ``/dev/shm``) against ``memory``, so children cannot multiply a per-process limit.
+
+    The child joins them before it execs (:meth:`join`), so everything it starts is inside, even a
     process that left the session and the process group: :meth:`kill` ends them all, and
-    :meth:`remove` deletes the cgroup once they are gone.
+    :meth:`remove` deletes the cgroups once they are gone. ``folders`` holds the controllers this
+    process could bound (``pids``, ``memory``; v2: one folder for both).
     """
 
-    path: Path
+    folders: dict[str, Path]
 
     @classmethod
-    def create(cls, max_tasks: int) -> PidsCgroup | None:
-        """A new cgroup with ``pids.max = max_tasks``; None where this process may not make one."""
-        parent = _pids_hierarchy()
-        if parent is None or not os.access(parent, os.W_OK):
-            return None
-        _remove_stale(parent)
-        path = parent / f"vt-reward-{os.getpid()}-{time.monotonic_ns()}"
-        try:
-            path.mkdir()
-        except OSError:
-            return None
-        try:
-            (path / "pids.max").write_text(str(max_tasks))
-        except OSError:
-            path.rmdir()
-            return None
-        return cls(path)
-
-    def join(self) -> None:
-        """Move the calling process into the cgroup (called in the child between fork and exec, where
-        an exception would only say "preexec_fn failed": a refused move leaves the child outside)."""
-        try:
-            with open(self.path / "cgroup.procs", "w") as handle:
-                handle.write("0")
-        except OSError:
-            pass
-
-    def pids(self) -> list[int]:
-        return [int(pid) for pid in _read(self.path / "cgroup.procs").split()]
-
-    def kill(self) -> None:
-        """SIGKILL every process in the cgroup (``cgroup.kill`` on v2, else each pid until none is left)."""
-        if (self.path / "cgroup.kill").exists():
+    def create(cls, max_tasks: int, memory_bytes: int) -> SandboxCgroup | None:
+        """New cgroups with ``pids.max = max_tasks`` and a memory limit of ``memory_bytes`` (swap included),
+        for the controllers this process may make them in; None when it may make none."""
+        folders: dict[str, Path] = {}
+        limits = {"pids": str(max_tasks), "memory": str(memory_bytes)}
+        made: dict[Path, Path] = {}
+        for name, parent in _hierarchies().items():
+            if not os.access(parent, os.W_OK):
+                continue
+            folder = made.get(parent)
+            if folder is None:
+                _remove_stale(parent)
+                folder = parent / f"vt-reward-{os.getpid()}-{time.monotonic_ns()}"
+                try:
+                    folder.mkdir()
+                except OSError:
+                    continue
+                made[parent] = folder
+            v1_files, v2_files = _LIMIT_FILES[name]
+            files = v1_files if (folder / v1_files[0]).exists() else v2_files
             try:
-                (self.path / "cgroup.kill").write_text("1")
-                return
+                (folder / files[0]).write_text(limits[name])
+                for extra in files[1:]:  # swap: not every kernel accounts it
+                    if (folder / extra).exists():
+                        (folder / extra).write_text(limits[name] if extra.endswith("memsw.limit_in_bytes") else "0")
+            except OSError:
+                continue
+            folders[name] = folder
+        for folder in set(made.values()) - set(folders.values()):
+            try:
+                folder.rmdir()
             except OSError:
                 pass
-        for _ in range(50):  # a process may fork while we kill: go round until the cgroup is empty
+        return cls(folders) if folders else None
+
+    def bounds(self, controller: str) -> bool:
+        return controller in self.folders
+
+    def join(self) -> None:
+        """Move the calling process into the cgroups (called in the child between fork and exec, where
+        an exception would only say "preexec_fn failed": a refused move leaves the child outside)."""
+        for folder in set(self.folders.values()):
+            try:
+                with open(folder / "cgroup.procs", "w") as handle:
+                    handle.write("0")
+            except OSError:
+                pass
+
+    def pids(self) -> list[int]:
+        return sorted({int(pid) for folder in set(self.folders.values())
+                       for pid in _read(folder / "cgroup.procs").split()})
+
+    def peak_memory(self) -> int | None:
+        """The most memory the sandbox used at once, in bytes (None without a memory cgroup)."""
+        folder = self.folders.get("memory")
+        if folder is None:
+            return None
+        for name in ("memory.max_usage_in_bytes", "memory.peak"):
+            text = _read(folder / name).strip()
+            if text.isdigit():
+                return int(text)
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL every process in the cgroups (``cgroup.kill`` on v2, else each pid until none is left)."""
+        for folder in set(self.folders.values()):
+            if (folder / "cgroup.kill").exists():
+                try:
+                    (folder / "cgroup.kill").write_text("1")
+                    continue
+                except OSError:
+                    pass
+        for _ in range(50):  # a process may fork while we kill: go round until the cgroups are empty
             pids = self.pids()
             if not pids:
                 return
@@ -219,15 +273,17 @@ class PidsCgroup:
             time.sleep(0.002)
 
     def remove(self) -> None:
-        for _ in range(100):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:  # busy: killed processes not reaped yet
-                time.sleep(0.01)
-        log.warning("could not remove the reward sandbox's cgroup %s", self.path)
+        for folder in set(self.folders.values()):
+            for _ in range(100):
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # busy: killed processes not reaped yet
+                    time.sleep(0.01)
+            else:
+                log.warning("could not remove the reward sandbox's cgroup %s", folder)
 
 
 def _remove_stale(parent: Path) -> None:
@@ -248,4 +304,4 @@ def _remove_stale(parent: Path) -> None:
                 pass
 
 
-__all__ = ["IsolationUnavailable", "PidsCgroup", "SANDBOX_UID", "bwrap_command", "check_namespaces", "outermost"]
+__all__ = ["IsolationUnavailable", "SandboxCgroup", "SANDBOX_UID", "bwrap_command", "check_namespaces", "outermost"]

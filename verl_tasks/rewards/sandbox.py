@@ -64,7 +64,7 @@ import verl_tasks
 from verl_tasks.errors import ConfigError
 from verl_tasks.rewards.checks import RewardFunctionError, split_path
 from verl_tasks.rewards.deployment import ISOLATIONS_ENV, check_allowed
-from verl_tasks.rewards.isolation import IsolationUnavailable, PidsCgroup, bwrap_command, check_namespaces
+from verl_tasks.rewards.isolation import IsolationUnavailable, SandboxCgroup, bwrap_command, check_namespaces
 from verl_tasks.rewards.source_check import top_level_location
 from verl_tasks.secrets import reward_env
 
@@ -130,7 +130,8 @@ class RewardSandbox:
         self.started_env: dict[str, str] | None = None
         self.ns_init: int | None = None  # the sandbox's PID 1, as seen from here (namespaces only)
         self._info: int | None = None  # bubblewrap's --info-fd
-        self.cgroup: PidsCgroup | None = None
+        self.cgroup: SandboxCgroup | None = None
+        self.peak_memory: int | None = None  # the most memory the last closed sandbox held (memory cgroup)
         self.last_exit: int | None = None
 
     # --- what the worker gets ------------------------------------------------------------------
@@ -203,14 +204,20 @@ class RewardSandbox:
                        "plain child process without namespaces; it can read every file and reach every address "
                        "this process can (the store included), only its environment and limits are its own",
                        self.function)
-        # A pids cgroup where RLIMIT_NPROC cannot do (root; a process outside a user namespace). Moving the
-        # child into it costs ~20 ms on cgroup v1 (measured here), so not where the rlimit works.
-        if os.geteuid() == 0 or not bwrap:
-            self.cgroup = PidsCgroup.create(self.max_processes + (2 if bwrap else 0))  # + bubblewrap, PID 1
-        if self.cgroup is None and (os.geteuid() == 0 or not bwrap):
+        # One cgroup for the whole sandbox: its tasks and its memory (processes and tmpfs pages together),
+        # so children cannot multiply the limits. Moving the child in costs ~20 ms on cgroup v1 (measured
+        # here), once per worker start.
+        self.cgroup = SandboxCgroup.create(self.max_processes + (2 if bwrap else 0),  # + bubblewrap, PID 1
+                                           self.memory_limit)
+        if (self.cgroup is None or not self.cgroup.bounds("pids")) and (os.geteuid() == 0 or not bwrap):
             _warn_once("nproc", self.isolation, "rewards.max_processes is not enforced: no pids cgroup can be made "
                        "here, and RLIMIT_NPROC counts %s", "nothing for root" if os.geteuid() == 0 else
                        "every process of this user outside a user namespace")
+        if self.cgroup is None or not self.cgroup.bounds("memory"):
+            _warn_once("memory", self.isolation, "rewards.memory_limit_mb bounds each process of the sandbox "
+                       "(RLIMIT_AS), not the sandbox as a whole: no memory cgroup can be made here (cgroup v1 or v2 "
+                       "with a writable memory hierarchy), so a function that starts children or fills its /tmp "
+                       "can use more")
         read_fd, write_fd = os.pipe()
         info_r, info_w = os.pipe() if bwrap else (-1, -1)
         if not bwrap:
@@ -219,7 +226,8 @@ class RewardSandbox:
         command = [sys.executable, "-m", "verl_tasks.rewards.worker", self.function, str(write_fd),
                    json.dumps(self._limits_spec())]
         if bwrap:
-            argv = bwrap_command(bwrap, self.code_paths()[0], self.memory_limit, info_w, command)
+            # Its /tmp and /dev/shm share the memory budget: half of it each at most (the cgroup counts both).
+            argv = bwrap_command(bwrap, self.code_paths()[0], self.memory_limit // 2, info_w, command)
         debug = log.isEnabledFor(logging.DEBUG)
         try:
             self.proc = proc = subprocess.Popen(
@@ -305,6 +313,7 @@ class RewardSandbox:
         self.ns_init = None
         if self.cgroup is not None:
             self.cgroup.kill()
+            self.peak_memory = self.cgroup.peak_memory()
             self.cgroup.remove()
             self.cgroup = None
         for fd in (self.reader, self._info):
