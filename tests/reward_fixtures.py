@@ -111,3 +111,17 @@ def protocol_breaker(data_source, solution_str, ground_truth, extra_info):
 
 
 DYNAMIC_NOT_CALLABLE = float("0.5")  # bound by running code: only the sandbox's check can tell it is no function
+
+
+def extreme_scores(data_source, solution_str, ground_truth, extra_info):
+    """By a stable hash of the answer: NaN, infinity or 1e308 for a third of the samples; the exact-answer
+    reward for the rest."""
+    kind = sum(map(ord, solution_str + ground_truth)) % 9
+    if kind in (0, 1, 2):
+        return (float("nan"), float("inf"), 1e308)[kind]
+    return 1.0 if solution_str.strip() == ground_truth else 0.0
+
+
+def huge_scores(data_source, solution_str, ground_truth, extra_info):
+    """1e308 for a right answer, 0 otherwise: finite, but an average of two overflows."""
+    return 1e308 if solution_str.strip() == ground_truth else 0.0

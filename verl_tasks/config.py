@@ -256,10 +256,20 @@ class RewardsConfig(Strict):
                                   "where they cannot be made); process: a plain child process that sees this "
                                   "machine's files and network, only where the deployment allows it "
                                   "(VERL_TASKS_REWARD_ISOLATIONS on the workers; logged as a warning). Not hashed")
-    default_score: float = 0.0
+    default_score: float = Field(0.0, allow_inf_nan=False, description="the score of a sample that could not be "
+                                                                       "scored, or scored out of range")
     max_failure_fraction: float = Field(0.1, ge=0, le=1)
-    min_score: float = -1e6
-    max_score: float = 1e6
+    min_score: float = Field(-1e6, allow_inf_nan=False, description="lowest score taken; below it a sample gets "
+                                                                   "default_score and counts as failed")
+    max_score: float = Field(1e6, allow_inf_nan=False, description="highest score taken; above it a sample gets "
+                                                                  "default_score and counts as failed")
+
+    @model_validator(mode="after")
+    def _score_range(self) -> RewardsConfig:
+        if not self.min_score <= self.default_score <= self.max_score:
+            raise ValueError(f"rewards.default_score {self.default_score:g} must lie in rewards.min_score.."
+                             f"max_score [{self.min_score:g}, {self.max_score:g}]")
+        return self
 
     @field_validator("function")
     @classmethod

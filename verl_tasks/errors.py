@@ -134,6 +134,11 @@ class RewardFailureRate(PhaseFailed):
     """Too many samples of a batch could not be scored."""
 
 
+class NonFiniteUpdate(PhaseFailed):
+    """The update produced a non-finite gradient, weight or optimizer state: nothing of it is committed.
+    Not retried (the same inputs give the same numbers); the experiment then waits in safe mode."""
+
+
 class JobFailed(VerlTasksError):
     """A Ray job for a unit ended without success."""
 

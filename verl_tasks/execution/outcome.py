@@ -19,6 +19,7 @@ from verl_tasks import errors
 from verl_tasks.errors import (
     BatchesMissing,
     ConfigError,
+    NonFiniteUpdate,
     SafeMode,
     SnapshotPruned,
     UnsafeKey,
@@ -28,7 +29,7 @@ from verl_tasks.errors import (
 
 # A retry of the same unit fails the same way: a person must change something first.
 DETERMINISTIC: tuple[type[VerlTasksError], ...] = (ConfigError, ValidationFailed, BatchesMissing, SafeMode, UnsafeKey,
-                                                  SnapshotPruned)
+                                                  SnapshotPruned, NonFiniteUpdate)
 REGISTRY: dict[str, type[VerlTasksError]] = {
     cls.__name__: cls
     for cls in vars(errors).values()

@@ -1,6 +1,7 @@
 """Score one rollout batch with the configured reward function, in a sandboxed process."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from verl_tasks.errors import RewardFailureRate
@@ -29,6 +30,11 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
         ]
         with scoring_sandbox(cfg) as sandbox:
             result = sandbox.score(requests, cfg.default_score)
+        for i, value in enumerate(result.scores):  # a score out of range is a failed sample, never trained on
+            if not (math.isfinite(value) and cfg.min_score <= value <= cfg.max_score):
+                result.failures[requests[i]["id"]] = (f"score {value!r} outside rewards.min_score..max_score "
+                                                      f"[{cfg.min_score:g}, {cfg.max_score:g}]")
+                result.scores[i] = cfg.default_score
         fraction = len(result.failures) / max(1, len(samples))
         if fraction > cfg.max_failure_fraction:
             examples = "; ".join(f"{k}: {v}" for k, v in list(result.failures.items())[:3])

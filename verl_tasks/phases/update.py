@@ -20,6 +20,7 @@ import torch
 
 from verl_tasks.algos import lr_at, schedule_of
 from verl_tasks.config import Resources, UpdateStrategy
+from verl_tasks.errors import NonFiniteUpdate
 from verl_tasks.events import record_event
 from verl_tasks.models.checkpoint import (
     OPTIMIZER,
@@ -35,6 +36,7 @@ from verl_tasks.phases.common import PhaseContext, committed, keep_policy, load_
 from verl_tasks.phases.update_inputs import UpdateSource, read_update_source
 from verl_tasks.phases.update_steps import (
     UpdateInputs,
+    check_finite,
     epoch_inputs,
     frozen_logprobs,
     policy_module,
@@ -117,6 +119,7 @@ def _train_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: Unit
                            on_step, source.first_step, micro_batch_size=micro)
     trained_at = time.monotonic()
     model.eval()
+    check_finite(model, optimizer)
     hyper, written = save_policy_and_optimizer(model, tokenizer, optimizer, out)
     for name, entry in written.items():
         writer.note_hashed(name, entry.size, entry.sha256)
@@ -154,7 +157,10 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         else:
             trained["engine_held"] = engine_to_sleep(ctx, epoch)
             with writer.folder() as out:  # written in place: the weights are written once per epoch
-                per_step, hyper, ran, kept = _train_here(ctx, source, out, writer)
+                try:
+                    per_step, hyper, ran, kept = _train_here(ctx, source, out, writer)
+                except NonFiniteUpdate as err:
+                    raise NonFiniteUpdate(writer.unit, err.reason) from None
             trained.update(kept, attempt=writer.attempt)
         first_step, steps = source.first_step, len(per_step)
         lrs = [lr_at(step, **schedule_of(algo)) for step in range(first_step, first_step + steps)]

@@ -18,6 +18,7 @@ import torch
 
 from verl_tasks.algos import aggregate_loss, grpo_outcome_advantage, kl_penalty, lr_at, policy_loss_vanilla, schedule_of
 from verl_tasks.config import AlgorithmConfig, ModelConfig
+from verl_tasks.errors import NonFiniteUpdate
 from verl_tasks.train.logprobs import ResponseLogProbs
 
 DATA_KEYS = ("input_ids", "attention_mask", "positions", "response_ids", "response_mask")
@@ -259,12 +260,36 @@ def train_steps(
         metrics = accumulate_gradients(module, inputs, rows, algo, temperature, micro_batch_size, rank, world)
         on_step(len(per_step) + 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), algo.grad_clip)
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(norm):  # every rank sees the same total norm: all refuse together
+            raise NonFiniteUpdate("update", f"the gradient norm of optimizer step {first_step + len(per_step) + 1} "
+                                            f"is {float(norm)} (loss {metrics.get('actor/loss')}); no weights are "
+                                            f"committed. Check the scores (rewards.min_score/max_score), the "
+                                            f"learning rate and the data")
         set_lr(optimizer, algo, first_step + len(per_step))
         optimizer.step()
-        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         metrics["actor/grad_norm"] = float(norm) if rank == 0 else 0.0
         per_step.append(metrics)
     return per_step
+
+
+def check_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to write weights or optimizer state holding NaN or infinity (this worker's shard of them).
+
+    Raises:
+        NonFiniteUpdate: naming the first tensor that is not finite.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        shard: torch.Tensor = param.to_local() if hasattr(param, "to_local") else param
+        if not torch.isfinite(shard).all():
+            raise NonFiniteUpdate("update", f"weight {name} is not finite after the update; nothing is committed")
+    for held, state in optimizer.state.items():
+        for key, value in state.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if torch.is_tensor(local) and local.is_floating_point() and not torch.isfinite(local).all():
+                raise NonFiniteUpdate("update", f"optimizer state {names.get(id(held), '?')}::{key} is not finite "
+                                                f"after the update; nothing is committed")
 
 
 def step_records(per_step: list[dict[str, float]], first_step: int, lrs: list[float]) -> list[dict[str, float]]:

@@ -253,6 +253,9 @@ def train_on_workers(ctx: PhaseContext, source: UpdateSource, writer: UnitWriter
         result = wait_all([actor.train.remote(job) for actor in group.actors])[0]
     except BaseException as err:
         dismiss(group, f"its unit failed ({type(err).__name__})")
+        cause = getattr(err, "cause", None)
+        if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, PhaseFailed):
+            raise type(cause)(writer.unit, cause.reason) from err  # typed as the worker raised it, for retries
         if isinstance(err, ray.exceptions.RayError):
             message = f"update worker failed; attempt {writer.attempt} is not committed: {err}"
             raise PhaseFailed(writer.unit, message[:4000]) from err

@@ -59,7 +59,7 @@ from verl_tasks.models.checkpoint import (
 from verl_tasks.models.safetensors_io import unique_state
 from verl_tasks.phases.common import PhaseContext, deterministic_kernels, policy_folder
 from verl_tasks.phases.update_inputs import PolicyState, UpdateSource
-from verl_tasks.phases.update_steps import UpdateInputs, epoch_inputs, frozen_logprobs, train_steps
+from verl_tasks.phases.update_steps import UpdateInputs, check_finite, epoch_inputs, frozen_logprobs, train_steps
 from verl_tasks.store import store_for
 from verl_tasks.store.conventions import optimizer_state_of
 from verl_tasks.store.units import UnitWriter
@@ -153,6 +153,7 @@ class UpdateWorker:
         per_step = train_steps(model, optimizer, inputs, algo, temperature, source.update_seed, on_step,
                                source.first_step, micro_batch_size=micro, rank=self.rank, world=self.world)
         per_step = sum_over_workers(per_step, self.device)
+        check_finite(core, optimizer)
         trained_at = time.monotonic()
         writer = UnitWriter(ctx.store, job["unit"], job["attempt"])
         hyper, handed = save_outputs(model, core, optimizer, tokenizer, writer, self.rank, self.world)
