@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from verl_tasks.errors import ConfigError
@@ -816,13 +815,12 @@ def parse_config(raw: dict[str, Any], overrides: dict[str, Any] | None = None) -
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
     """Read a YAML experiment file; raise ConfigError naming the key and the fix."""
+    from verl_tasks.yaml_files import read_yaml_file
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    raw = read_yaml_file(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return parse_config(raw, overrides)

@@ -26,7 +26,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import yaml
 from airflow.sdk import DAG, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -67,7 +66,9 @@ class MaintenanceConfig(BaseModel):
 
 def read_maintenance_config(path: str | Path) -> MaintenanceConfig:
     """Raises ConfigError naming the bad key and the file."""
-    raw = yaml.safe_load(Path(path).read_text())
+    from verl_tasks.yaml_files import read_yaml_file
+
+    raw = read_yaml_file(path, "maintenance config")
     try:
         return MaintenanceConfig.model_validate(raw if raw is not None else {})
     except ValidationError as err:

@@ -93,9 +93,11 @@ def open_source(dag_id: str, path: Path) -> Source:
 
     source = Source(dag_id, path)
     try:
-        source.raw = read_yaml(path)
-        source.store_uri = absolute_uri((source.raw.get("storage") or {}).get("uri", "file://.store"))
-        cfg = parse_config(source.raw, {"storage.uri": source.store_uri})
+        raw = read_yaml(path)
+        parse_config(raw)  # validated before any of its values is used
+        source.raw = raw
+        source.store_uri = absolute_uri((raw.get("storage") or {}).get("uri", "file://.store"))
+        cfg = parse_config(raw, {"storage.uri": source.store_uri})
         source.experiment = cfg.experiment
         source.access = DagAccess(dag_id, cfg.experiment, str(path), cfg.schedule.parent, cfg.access)
         s = cfg.storage
@@ -329,13 +331,15 @@ def _readable_sources(user, dag: str | None) -> tuple[list[Source], list[Source]
 def _unopened(dag_id: str, path: Path) -> Source:
     """A YAML the user may not read: only its experiment name and store URI (to attribute names); no store."""
     from verl_tasks.airflow.runconfig import read_yaml
+    from verl_tasks.config import parse_config
     from verl_tasks.ownership import DagAccess
     from verl_tasks.store import absolute_uri
 
     source = Source(dag_id, path)
     try:
         raw = read_yaml(path)
-        source.experiment = str(raw.get("experiment", ""))
+        parse_config(raw)  # validated before any of its values is used
+        source.experiment = str(raw["experiment"])
         source.store_uri = absolute_uri((raw.get("storage") or {}).get("uri", "file://.store"))
         source.access = DagAccess.from_yaml(dag_id, raw, str(path))
     except Exception as err:  # noqa: BLE001 - unreadable YAML: it claims nothing

@@ -10,8 +10,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from verl_tasks.config import (
     TRIGGER_BOUNDS,
     TRIGGER_OVERRIDABLE,
@@ -25,6 +23,7 @@ from verl_tasks.config import (
 )
 from verl_tasks.errors import ConfigError
 from verl_tasks.store import absolute_uri
+from verl_tasks.yaml_files import read_yaml_file
 
 # Trigger-form fields that are hyperparameters -> dotted config keys.
 HYPERPARAMETERS = {
@@ -40,7 +39,8 @@ SCHEDULED_RUN_TYPES = ("scheduled", "asset_triggered", "backfill")
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    raw = yaml.safe_load(Path(path).read_text())
+    """An experiment YAML's mapping, read within ``verl_tasks.yaml_files``' bounds (not yet validated)."""
+    raw = read_yaml_file(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return raw
