@@ -153,3 +153,40 @@ def test_every_shipped_experiment_loads():
     assert {p.name for p in shipped} >= {"tiny_arith.yaml", "smollm2_arith.yaml", "smollm2_arith_vllm.yaml"}
     engines = {p.name: load_config(p).rollout.engine for p in shipped}
     assert engines["smollm2_arith_vllm.yaml"] == "vllm"
+
+
+def test_names_are_matched_whole_so_a_final_newline_is_refused():
+    from verl_tasks.config import check_name
+    from verl_tasks.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="invalid experiment name 'victim\\\\n'"):
+        check_name("victim\n")
+    assert check_name("victim") == "victim"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"algorithm.betas": [-3.0, 0.999]}, r"algorithm.betas \[-3.0, 0.999\]: each must be a number in \[0, 1\)"),
+    ({"algorithm.betas": [float("nan"), float("nan")]}, r"each must be a number in \[0, 1\)"),
+    ({"algorithm.min_lr_ratio": 1.0}, r"algorithm.min_lr_ratio"),
+    ({"algorithm.lr_schedule": "linear", "algorithm.total_steps": 1, "algorithm.warmup_steps": 2},
+     r"algorithm.warmup_steps \(2\) exceeds algorithm.total_steps \(1\)"),
+    ({"storage.uri": "file://../../.."}, r"storage.uri 'file://../../..' climbs out of a folder"),
+])
+def test_values_that_cannot_train_well_are_refused_with_the_key(tiny_config, overrides, message):
+    from verl_tasks.errors import ConfigError
+
+    uri = overrides.pop("storage.uri", None)
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(uri, **overrides)
+
+
+def test_an_unknown_conf_key_is_refused_with_its_likely_spelling(tmp_path):
+    from verl_tasks.airflow.runconfig import resolve
+    from verl_tasks.errors import ConfigError
+
+    from .conftest import TINY_YAML
+
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) 'experimnet' \(did you mean 'experiment'\?\)"):
+        resolve(TINY_YAML, {"experimnet": "mine"})
+    with pytest.raises(ConfigError, match=r"invalid experiment name 'victim\\n'"):
+        resolve(TINY_YAML, {"experiment": "victim\n"})

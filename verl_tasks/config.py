@@ -11,6 +11,7 @@ import copy
 import difflib
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from datetime import date
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from verl_tasks.errors import ConfigError
 from verl_tasks.phase_registry import PHASE_NAMES as PHASES
 
+# Matched whole (fullmatch): "$" alone would also match before a final newline.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Sections whose values change what is computed; the rest (epochs, storage,
 # fault tolerance, resources, schedule) may change between runs of one experiment.
@@ -41,7 +43,7 @@ HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollo
 
 def check_name(name: str, what: str = "experiment name") -> str:
     """Return ``name`` if it is safe as one path segment, else raise ConfigError."""
-    if not isinstance(name, str) or not NAME_PATTERN.match(name) or ".." in name:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or ".." in name:
         raise ConfigError(
             f"invalid {what} {name!r}: use 1-128 characters from letters, digits, '.', '_' "
             f"and '-', starting with a letter or digit, and no '..'"
@@ -204,7 +206,16 @@ class AlgorithmConfig(Strict):
     lr_schedule: LRSchedule = LRSchedule.constant
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from lr/warmup_steps to lr")
     total_steps: int | None = Field(None, gt=0, description="schedule horizon; default epochs x steps per epoch")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="linear/cosine decay ends at lr x min_lr_ratio")
+    min_lr_ratio: float = Field(0.0, ge=0, lt=1, description="linear/cosine decay ends at lr x min_lr_ratio")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        for beta in value:
+            if not (math.isfinite(beta) and 0 <= beta < 1):
+                raise ValueError(f"algorithm.betas {list(value)}: each must be a number in [0, 1) (AdamW's "
+                                 f"moment decays; the usual values are 0.9 and 0.999)")
+        return value
 
     @model_validator(mode="after")
     def _std_needs_groups(self) -> AlgorithmConfig:
@@ -309,6 +320,9 @@ class StorageConfig(Strict):
     def _scheme(cls, value: str) -> str:
         if not (value.startswith("file://") or value.startswith("s3://")):
             raise ValueError(f"storage.uri {value!r} must start with file:// or s3://")
+        if ".." in value.split("://", 1)[1].split("/"):
+            raise ValueError(f"storage.uri {value!r} climbs out of a folder ('..'); name the store's folder or "
+                             f"prefix directly")
         return value
 
 
@@ -450,7 +464,7 @@ class AccessConfig(Strict):
     @classmethod
     def _names(cls, value: list[str]) -> list[str]:
         for name in value:
-            if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
                 raise ValueError(f"{name!r} is not a DAG id or experiment name (letters, digits, '.', '_', '-')")
         return value
 

@@ -157,10 +157,30 @@ def check_bounds(cfg: ExperimentConfig, own: ExperimentConfig, keys: set[str], p
     raise ConfigError("the trigger form asks for more than this DAG allows: " + "; ".join(refused) + "." + fix)
 
 
+# The trigger form's fields (``factory._params``); a run's conf may set nothing else.
+FORM_FIELDS = ("experiment", "resume", "from_snapshot", "parent", "epochs", "overrides")
+
+
+def check_known_params(params: dict[str, Any]) -> None:
+    """Refuse conf keys the form does not have (a typo would otherwise be ignored), naming the likely one."""
+    import difflib
+
+    known = [*FORM_FIELDS, *HYPERPARAMETERS]
+    unknown = sorted(key for key in params if key not in known)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"the run's conf has unknown key(s) {', '.join(hints)}; the form's keys are "
+                          f"{', '.join(known)} (other hyperparameters go in 'overrides')")
+
+
 def resolve(yaml_path: str | Path, params: dict[str, Any] | None, dag_run: Any = None,
             endpoint_url: str | None = None) -> ExperimentConfig:
     """The run's config. Raises ConfigError naming the bad key, or a key set beyond its bound."""
     params = dict(params or {})
+    check_known_params(params)
     raw = read_yaml(yaml_path)
     overrides = overrides_from(params, yaml_path)
     asked = set(overrides)
