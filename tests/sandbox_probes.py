@@ -151,3 +151,29 @@ def hold_memory(data_source, solution_str, ground_truth, extra_info):
     for proc in procs:
         proc.kill()
     return float(held)
+
+
+def forbidden_syscalls(data_source, solution_str, ground_truth, extra_info):
+    """Calls that succeed for any unprivileged process unless a seccomp filter refuses them: ptrace(TRACEME),
+    personality(query), and ptrace(ATTACH) of the sandbox's PID 1. Raises naming those that went through."""
+    import ctypes
+    import errno
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    calls = {"ptrace(TRACEME)": (101, 0, 0, 0, 0), "personality(query)": (135, 0xFFFFFFFF),
+             "ptrace(ATTACH, 1)": (101, 16, 1, 0, 0)}
+    passed = []
+    for name, args in calls.items():
+        if libc.syscall(*args) != -1 or ctypes.get_errno() != errno.EPERM:
+            passed.append(name)
+    if passed:
+        raise LookupError(f"not refused: {passed}")
+    return 1.0
+
+
+def visible_paths(data_source, solution_str, ground_truth, extra_info):
+    """Raises naming the paths of ``extra_info["paths"]`` that exist in the sandbox; else 1.0."""
+    seen = [p for p in extra_info["paths"] if os.path.exists(p)]
+    if seen:
+        raise LookupError(f"visible: {seen}")
+    return 1.0

@@ -43,8 +43,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SANDBOX_UID = 65534  # "nobody"
-# Read-only system folders; the interpreter's own prefixes and the code are added per sandbox.
-SYSTEM_DIRS = ("/usr",)
+# Read-only system folders: the shared libraries the interpreter links (merged /usr: /lib is /usr/lib); the
+# interpreter's own prefixes and the code are added per sandbox. Nothing else of /usr (its binaries,
+# /usr/local, /usr/share) is shown.
+SYSTEM_DIRS = tuple(d for d in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32") if os.path.isdir(d))
 SYSTEM_TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # symlinks into /usr when merged
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
 ISOLATING_FLAGS = ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -83,7 +85,8 @@ def outermost(paths: list[str]) -> list[str]:
     return kept
 
 
-def bwrap_command(bwrap: str, read_only: list[str], tmp_bytes: int, info_fd: int, command: list[str]) -> list[str]:
+def bwrap_command(bwrap: str, read_only: list[str], tmp_bytes: int, info_fd: int, command: list[str],
+                  seccomp_fd: int | None = None) -> list[str]:
     """The bubblewrap command line that runs ``command`` in the sandbox.
 
     Args:
@@ -93,6 +96,7 @@ def bwrap_command(bwrap: str, read_only: list[str], tmp_bytes: int, info_fd: int
             ``/dev/shm``; every other folder is read-only, the empty root included.
         info_fd: bubblewrap writes ``{"child-pid": N, ...}`` there: N, the sandbox's PID 1 as seen
             from here, is what :meth:`RewardSandbox.close` kills to end everything inside.
+        seccomp_fd: a file descriptor holding :func:`seccomp_program`, installed for everything in the sandbox.
     """
     args = [bwrap, *ISOLATING_FLAGS, *_system_binds(), "--proc", "/proc", "--dev", "/dev",
             "--size", str(tmp_bytes), "--tmpfs", "/tmp", "--size", str(tmp_bytes), "--tmpfs", "/dev/shm"]
@@ -100,17 +104,64 @@ def bwrap_command(bwrap: str, read_only: list[str], tmp_bytes: int, info_fd: int
     # not hidden by them.
     for path in outermost(read_only):
         args += ["--ro-bind", path, path]
-    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd),
-             "--", *command]
-    return args
+    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd)]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    return [*args, "--", *command]
+
+
+# --- the seccomp filter ---------------------------------------------------------------------------
+
+# System calls a reward function never needs and a sandbox escape or a look outside would: debugging
+# other processes, mounts and namespaces, kernel keys and modules, BPF, raw handles on the file system.
+# Refused with EPERM (a clean error in the function, not a kill). x86_64 numbers.
+DENIED_SYSCALLS = {
+    "ptrace": 101, "syslog": 103, "personality": 135, "pivot_root": 155, "chroot": 161, "acct": 163,
+    "mount": 165, "umount2": 166, "swapon": 167, "swapoff": 168, "reboot": 169, "init_module": 175,
+    "delete_module": 176, "quotactl": 179, "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250,
+    "unshare": 272, "perf_event_open": 298, "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308,
+    "process_vm_readv": 310, "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320, "bpf": 321,
+    "userfaultfd": 323, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+    "fspick": 433, "mount_setattr": 442,
+}
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_X32_SYSCALL_BIT = 0x40000000
+# Classic BPF: instruction classes and fields, and seccomp's return actions.
+_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+_RET_ALLOW, _RET_ERRNO, _RET_KILL = 0x7FFF0000, 0x00050000, 0x00000000
+_EPERM = 1
+
+
+def seccomp_program() -> bytes | None:
+    """The sandbox's seccomp filter as a classic BPF program (what ``bwrap --seccomp`` reads): deny
+    ``DENIED_SYSCALLS`` with EPERM, kill a process that calls with another architecture's ABI (32-bit or
+    x32 numbers would bypass the list), allow the rest. None off x86_64 (the list holds its numbers)."""
+    import platform
+    import struct
+
+    if platform.machine() != "x86_64":
+        return None
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k)
+
+    numbers = sorted(DENIED_SYSCALLS.values())
+    program = [op(_LD_W_ABS, 4),  # seccomp_data.arch
+               op(_JEQ_K, _AUDIT_ARCH_X86_64, 1, 0), op(_RET_K, _RET_KILL),
+               op(_LD_W_ABS, 0),  # seccomp_data.nr
+               op(_JGE_K, _X32_SYSCALL_BIT, 0, 1), op(_RET_K, _RET_KILL)]
+    for index, number in enumerate(numbers):  # on a match, jump to the deny at the end
+        program.append(op(_JEQ_K, number, len(numbers) - index, 0))
+    program += [op(_RET_K, _RET_ALLOW), op(_RET_K, _RET_ERRNO | _EPERM)]
+    return b"".join(program)
 
 
 @functools.lru_cache(maxsize=4)
 def _probe(bwrap: str) -> str | None:
     """None when ``bwrap`` can build the sandbox's namespaces here, else bubblewrap's reason."""
-    true = "/usr/bin/true" if os.path.exists("/usr/bin/true") else sys.executable
-    command = [bwrap, *ISOLATING_FLAGS, *_system_binds(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-               "--", true]
+    true = os.path.realpath("/usr/bin/true") if os.path.exists("/usr/bin/true") else sys.executable
+    command = [bwrap, *ISOLATING_FLAGS, *_system_binds(), "--ro-bind", true, true, "--proc", "/proc", "--dev",
+               "/dev", "--tmpfs", "/tmp", "--", true]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -304,4 +355,5 @@ def _remove_stale(parent: Path) -> None:
                 pass
 
 
-__all__ = ["IsolationUnavailable", "SandboxCgroup", "SANDBOX_UID", "bwrap_command", "check_namespaces", "outermost"]
+__all__ = ["DENIED_SYSCALLS", "IsolationUnavailable", "SandboxCgroup", "seccomp_program", "SANDBOX_UID",
+           "bwrap_command", "check_namespaces", "outermost"]

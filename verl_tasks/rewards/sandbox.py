@@ -64,7 +64,13 @@ import verl_tasks
 from verl_tasks.errors import ConfigError
 from verl_tasks.rewards.checks import RewardFunctionError, split_path
 from verl_tasks.rewards.deployment import ISOLATIONS_ENV, check_allowed
-from verl_tasks.rewards.isolation import IsolationUnavailable, SandboxCgroup, bwrap_command, check_namespaces
+from verl_tasks.rewards.isolation import (
+    IsolationUnavailable,
+    SandboxCgroup,
+    bwrap_command,
+    check_namespaces,
+    seccomp_program,
+)
 from verl_tasks.rewards.source_check import top_level_location
 from verl_tasks.secrets import reward_env
 
@@ -225,9 +231,19 @@ class RewardSandbox:
         self.started_env = self.environment()
         command = [sys.executable, "-m", "verl_tasks.rewards.worker", self.function, str(write_fd),
                    json.dumps(self._limits_spec())]
+        seccomp_fd = -1
         if bwrap:
+            program = seccomp_program()
+            if program is None:
+                _warn_once("seccomp", self.isolation, "no seccomp filter for this architecture: the reward sandbox "
+                           "relies on its namespaces alone")
+            else:
+                seccomp_fd = os.memfd_create("verl-tasks-seccomp", 0)
+                os.write(seccomp_fd, program)
+                os.lseek(seccomp_fd, 0, os.SEEK_SET)
             # Its /tmp and /dev/shm share the memory budget: half of it each at most (the cgroup counts both).
-            argv = bwrap_command(bwrap, self.code_paths()[0], self.memory_limit // 2, info_w, command)
+            argv = bwrap_command(bwrap, self.code_paths()[0], self.memory_limit // 2, info_w, command,
+                                 seccomp_fd if seccomp_fd >= 0 else None)
         debug = log.isEnabledFor(logging.DEBUG)
         try:
             self.proc = proc = subprocess.Popen(
@@ -237,18 +253,20 @@ class RewardSandbox:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=None if debug else subprocess.DEVNULL,  # the function's prints: shown when debugging
-                pass_fds=(write_fd, info_w) if bwrap else (write_fd,),
+                pass_fds=tuple(fd for fd in (write_fd, info_w, seccomp_fd) if fd >= 0),
                 preexec_fn=self._before_exec,
                 start_new_session=True,
                 text=True,
             )
         except BaseException:
-            for fd in (read_fd, write_fd, info_r, info_w):
+            for fd in (read_fd, write_fd, info_r, info_w, seccomp_fd):
                 if fd >= 0:
                     os.close(fd)
             self.close()
             raise
         os.close(write_fd)
+        if seccomp_fd >= 0:
+            os.close(seccomp_fd)  # bubblewrap read its own copy
         self.reader = read_fd
         self._buffer = b""
         self._eof = False

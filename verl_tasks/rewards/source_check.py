@@ -75,13 +75,20 @@ def _ask_finders(fullname: str, path: list[str] | None) -> ModuleSpec | None:
 
 def top_level_location(module_name: str) -> tuple[list[str], list[str]]:
     """Files and folders the sandbox must show for ``module_name`` to import, and the ``sys.path``
-    entries that find them: ``([package folders or the single module file], [their parents])``.
+    entries that find them: ``([package folder (of a namespace package, the one portion that holds the
+    module) or the single module file], [their parents])``.
     Both empty when the top-level module has no location on disk (built-in, frozen, not found)."""
     spec = find_spec_statically(module_name.split(".")[0])
     if spec is None:
         return [], []
     if spec.submodule_search_locations:
         folders = [os.path.abspath(p) for p in spec.submodule_search_locations if os.path.isdir(p)]
+        # A namespace package has a portion in several sys.path folders: only the one the module's import
+        # resolves through is shown (a sibling portion may be another team's code).
+        full = find_spec_statically(module_name) if "." in module_name else None
+        origin = os.path.abspath(full.origin) if full is not None and full.origin else None
+        if origin and len(folders) > 1:
+            folders = [p for p in folders if origin.startswith(p.rstrip(os.sep) + os.sep)] or folders
         return folders, sorted({os.path.dirname(p) for p in folders})
     if spec.origin and os.path.isfile(spec.origin):
         origin = os.path.abspath(spec.origin)
