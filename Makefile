@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install system-packages browser sandbox demo test test-quick chaos chaos-slow bench airflow gpu-check gpu-wheels lint clean smollm2 docs
+.PHONY: install system-packages browser sandbox demo test test-all test-quick chaos chaos-slow bench airflow gpu-check gpu-wheels lint clean smollm2 docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,19 +42,30 @@ smollm2: install
 demo: install system-packages
 	bash scripts/demo.sh
 
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist). Each test module stays on one worker
+# (--dist loadscope), so what a module shares (an airflow standalone, a Ray head, an engine) starts once;
+# modules with a slow test are handed out first (tests/conftest.py). PYTEST_ARGS adds options (CI: --junitxml).
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
+
 # Everything but the slow half of the chaos matrix (make chaos runs all of it).
 test: install system-packages
-	$(BIN)/python -m pytest -q -m "not (chaos and slow)" tests
+	$(PYTEST) -m "not (chaos and slow)" tests
+
+# make test and make chaos-slow in one run, so the slow chaos modules share the workers with the rest (CI's).
+test-all: install system-packages
+	$(PYTEST) tests
 
 test-quick: install system-packages
-	$(BIN)/python -m pytest -q -m "not slow and not airflow" tests
+	$(PYTEST) -m "not slow and not airflow" tests
 
+# One process: each fault's recovery time is measured alone, and the rows are written to one file.
 chaos: install system-packages
 	VT_CHAOS_RECORD=1 $(BIN)/python -m pytest -q -m chaos tests
 
-# The chaos tests `make test` leaves out (minutes each); CI runs them after it.
+# The chaos tests `make test` leaves out (minutes each); make test-all runs them with it.
 chaos-slow: install system-packages
-	$(BIN)/python -m pytest -q -m "chaos and slow" tests
+	$(PYTEST) -m "chaos and slow" tests
 
 # ruff over the whole tree, and mypy over the package.
 lint: install

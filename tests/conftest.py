@@ -18,6 +18,14 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a ``slow`` test first, each module's tests together and in their order. With parallel
+    workers (``make test``: one module per worker at a time, handed out in this order) the modules that take
+    minutes start early, instead of one of them running alone at the end while the other workers idle."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -32,12 +32,14 @@ def _airflow_env(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
-    """A project-local Ray head on its own ports, stopped (SIGTERM to its PID) at the end."""
+    """A project-local Ray head on free ports (one per test process: parallel workers each start their own),
+    stopped (SIGTERM to its PID) at the end."""
     from verl_tasks.execution import local_head
+    from verl_tasks.execution.cli_cluster import _free_ports
 
     state = tmp_path_factory.mktemp("ray-head")
-    port = int(os.environ.get("VT_TEST_RAY_PORT", "6411"))
-    info = local_head.start(state, port=port, dashboard_port=port + 1900, num_cpus=8)
+    port, dashboard = _free_ports()
+    info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=8)
     yield info
     local_head.stop(state)
 
