@@ -156,9 +156,6 @@ class Component:
         except subprocess.TimeoutExpired:
             pass
 
-    def stop(self) -> None:
-        self.kill(signal.SIGTERM)
-
     def tail(self, lines: int = 25) -> str:
         try:
             text = (self.home / f"{self.name}.log").read_text(errors="replace")
@@ -246,7 +243,7 @@ def cluster(tmp_path_factory, moto_endpoint):
         parts = {name: Component(name, home, env) for name in ("api-server", "scheduler", "dag-processor", "triggerer")}
         for part in parts.values():
             part.start()
-            stop.callback(part.stop)
+            stop.callback(part.kill)  # SIGKILL: the tests are done; a graceful stop costs up to 15 s a component
         api = Api(f"http://127.0.0.1:{port}")
 
         def diagnose() -> str:
