@@ -168,6 +168,14 @@ class Watch:
     def until(self, what: str, probe) -> Any:
         return wait_for(what, probe, STALL_S, every=2.0, diagnose=self.diagnose, progress=self.picture)
 
+    def tries(self) -> dict[str, int]:
+        return {ti_key(t): t["try_number"] for t in self.stack.api.task_instances(self.dag_id, self.run_id)}
+
+    def cleared(self, task: str, tries_before: int) -> None:
+        """Wait until the Clear gave ``task`` a new try: the dialog closes before the run's state leaves
+        ``failed``, so a run read at once may still be the failed one."""
+        self.until(f"the Clear to give {task} a new try", lambda: self.tries()[task] > tries_before)
+
     def run_ends(self) -> str:
         def probe():
             state = self.stack.api.dag_run(self.dag_id, self.run_id)["state"]
@@ -276,8 +284,10 @@ def test_a_batch_failed_alone_is_cleared_from_its_task_instance_and_drawn_retrie
         expect(dialog.get_by_text("epoch_000.update", exact=True)).to_have_count(1)
         expect(dialog.get_by_role("row").filter(has_text=ROLLOUT)).to_have_count(1)
         page.screenshot(path=str(shots / "2-clear-dialog.png"), full_page=True)
+        tries = watch.tries()[f"{ROLLOUT}[{batch}]"]
         dialog.get_by_role("button", name="Confirm", exact=True).click()
         expect(dialog).to_be_hidden()
+        watch.cleared(f"{ROLLOUT}[{batch}]", tries)
 
         assert watch.run_ends() == "success", watch.diagnose()
         assert set(watch.task_states().values()) == {"success"}, watch.task_states()
@@ -334,8 +344,10 @@ def test_tasks_safe_mode_refused_rerun_with_the_run_s_clear_of_failed_tasks(stac
         expect(dialog.get_by_role("row").filter(has_text="configure")).to_have_count(0)  # only the failed ones
         expect(dialog.get_by_role("row").filter(has_text=ROLLOUT)).to_have_count(2)
         page.screenshot(path=str(shots / "2-clear-run.png"), full_page=True)
+        tries = watch.tries()[f"{ROLLOUT}[1]"]
         dialog.get_by_role("button", name="Confirm", exact=True).click()
         expect(dialog).to_be_hidden()
+        watch.cleared(f"{ROLLOUT}[1]", tries)
 
         assert watch.run_ends() == "success", watch.diagnose()
         assert set(watch.task_states().values()) == {"success"}, watch.task_states()
