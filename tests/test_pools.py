@@ -68,7 +68,7 @@ def gpu_head(tmp_path_factory):
         pools.ensure_connected(info.gcs_address)
         yield {"info": info, "plan": plan}
         ray.shutdown()
-    local_head.stop(state)
+    local_head.stop(state, timeout_s=0)  # at once: with actors alive a SIGTERMed head outlasts the 30 s grace
 
 
 def _planned(tiny_config, store_uri: str, **extra):

@@ -236,7 +236,8 @@ def cluster(tmp_path_factory, moto_endpoint):
                                    start_new_session=True)
         stop.callback(lambda: migrate.poll() is None and os.killpg(migrate.pid, signal.SIGKILL))
         stop.callback(shutil.rmtree, f"/tmp/vt-ray-{ray_port}", True)
-        stop.callback(local_head.stop, head_state)
+        # At once: with actors alive a SIGTERMed head outlasts the 30 s grace.
+        stop.callback(local_head.stop, head_state, 0)
         head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=8)
         assert head.client_env() == head_env
         assert migrate.wait(timeout=300) == 0, (home / "migrate.log").read_text()[-3000:]
