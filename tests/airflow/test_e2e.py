@@ -1,6 +1,8 @@
 """End to end with the real parts: `airflow standalone` (api-server, scheduler, dag-processor,
 triggerer) on PostgreSQL, a project-local Ray head (token auth on), S3 through a moto server
-over HTTP.
+over HTTP. The module's tests share that stack, each with its own experiment on the one DAG.
+
+The first test, a fault cleared:
 
 1. trigger the DAG through REST API v2 with a fault planned for rollout batch 1 of epoch 0 (the test's
    fault hooks, loaded by every process the stack starts: see tests/faults);
@@ -12,6 +14,8 @@ over HTTP.
 5. clear the whole successful run: it succeeds again with no new `started` event (`configure`
    finds the epoch committed and skips its tasks at once); the time per task is printed (and
    written to ``$VT_E2E_BENCH_OUT`` when set).
+
+The second clears a rollout task while it runs (its docstring says how).
 
 Waits follow progress: one gives up only when nothing (task state, store event, Ray job status)
 moved for ``STALL_S`` seconds, and then prints what it saw (task states and logs, each Airflow
@@ -124,9 +128,10 @@ def _ts(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
-@pytest.fixture
-def stack(tmp_path, monkeypatch, moto_endpoint):
-    """PostgreSQL database, bucket, Ray head, airflow standalone; all torn down by PID/name we own."""
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, moto_endpoint):
+    """PostgreSQL database, bucket, Ray head, airflow standalone, shared by this module's tests (each runs its
+    own experiment on the one DAG); all torn down by PID/name we own."""
     import boto3
 
     from verl_tasks.execution import local_head
@@ -135,7 +140,8 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
     if user is None:
         pytest.fail("no PostgreSQL with trust auth at 127.0.0.1:5432: this test needs the real database; start it "
                     "(`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`) and run again")
-    with ExitStack() as stop:
+    tmp_path = tmp_path_factory.mktemp("e2e")
+    with ExitStack() as stop, pytest.MonkeyPatch.context() as monkeypatch:
         db = PgDatabase.create(user)
         stop.callback(db.drop)
 
@@ -203,7 +209,8 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
         stop.callback(airflow.stop)
 
         stop.callback(shutil.rmtree, f"/tmp/vt-ray-{ray_port}", True)
-        stop.callback(local_head.stop, head_state)
+        # At once: with actors alive a SIGTERMed head outlasts the 30 s grace.
+        stop.callback(local_head.stop, head_state, 0)
         head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=8)
         assert head.client_env() == head_env, (head.client_env(), head_env)
         api = Api(airflow.base_url)
@@ -224,6 +231,8 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
                 print(f"warm-up {path}: {err}")
         ready_s = time.monotonic() - started
         print(f"\nairflow standalone ready and DAG parsed in {ready_s:.1f}s")
+        # GPU-bound phases run in this pool; it must exist before anything is scheduled.
+        api.request("POST", "/api/v2/pools", {"name": "verl_gpu", "slots": 2, "description": "e2e"})
         yield {"ready_s": ready_s, "api": api, "airflow": airflow, "head": head, "store_uri": store_uri,
                "endpoint": moto_endpoint, "reference": reference, "ref_store": ref_store, "tmp": tmp_path,
                "yaml": yaml_path, "db": db, "faults": plan_dir}
@@ -231,6 +240,9 @@ def stack(tmp_path, monkeypatch, moto_endpoint):
 
 def reference_result(stack: dict) -> dict:
     """The fault-free reference run's result line, once its process (started with the stack) exits."""
+    if "reference_result" in stack:
+        return stack["reference_result"]
+
     def ref_files() -> list[tuple[str, int]]:  # the reference's progress: what it has written so far
         return sorted((str(p), p.stat().st_size) for p in stack["ref_store"].rglob("*") if p.is_file())
 
@@ -238,7 +250,8 @@ def reference_result(stack: dict) -> dict:
              progress=ref_files, diagnose=lambda: (stack["tmp"] / "reference.log").read_text()[-4000:])
     out, _ = stack["reference"].communicate(timeout=60)
     assert stack["reference"].returncode == 0, (stack["tmp"] / "reference.log").read_text()[-4000:]
-    return json.loads(out.strip().splitlines()[-1])
+    stack["reference_result"] = json.loads(out.strip().splitlines()[-1])
+    return stack["reference_result"]
 
 
 def _failing_logs(airflow: Standalone, run_id: str, tis: list[dict]) -> str:
@@ -256,23 +269,23 @@ class Watch:
     """What the test looks at while it waits on the stack: a picture of everything that can move
     (task states and tries, store events, Ray job statuses) and, on giving up, what it saw."""
 
-    def __init__(self, stack: dict[str, Any], run_id: str):
+    def __init__(self, stack: dict[str, Any], run_id: str, experiment: str = EXPERIMENT):
         from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
         from verl_tasks.layout import Layout
         from verl_tasks.store import open_store
 
-        self.stack, self.run_id = stack, run_id
+        self.stack, self.run_id, self.experiment = stack, run_id, experiment
         self.api: Api = stack["api"]
         self.airflow: Standalone = stack["airflow"]
         self.store = open_store(stack["store_uri"], endpoint_url=stack["endpoint"],
                                 credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
-        self.layout = Layout(EXPERIMENT)
+        self.layout = Layout(experiment)
         self.ray = RayJobBackend(RayTarget(stack["head"].address, read_token(stack["head"].token_file)))
         self._jobs: tuple[float, tuple] = (0.0, ())
 
     def jobs(self) -> dict[str, str]:
         return {j.submission_id: str(getattr(j.status, "value", j.status)) for j in self.ray.client.list_jobs()
-                if (j.submission_id or "").startswith(f"vt-{EXPERIMENT}-")}
+                if (j.submission_id or "").startswith(f"vt-{self.experiment}-")}
 
     def _recent_jobs(self) -> tuple:
         """The jobs' statuses, listed at most every 10 s (the dashboard also serves the triggers)."""
@@ -332,8 +345,6 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     airflow: Standalone = stack["airflow"]
     t0 = time.monotonic()
 
-    # GPU-bound phases run in this pool; it must exist before anything is scheduled.
-    api.request("POST", "/api/v2/pools", {"name": "verl_gpu", "slots": 2, "description": "e2e"})
     api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
 
     # -- 1. trigger with a fault on rollout batch 1 of epoch 0 ----------------------------------
@@ -506,3 +517,140 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
             f"index -> run success {recover_s:.0f} s; whole test body {time.monotonic() - t0:.0f} s.",
             "",
         ]))
+
+
+CLEARED = "e2e-clear-running"  # the experiment of the test below: the same DAG, its own units and Ray jobs
+STOP_S = 5.0  # the actor's work stops within 5 s of the clear
+HELD_BATCH = 1
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def test_clearing_a_running_rollout_stops_its_actor_and_the_retry_commits_once(stack):
+    """Clear a *running* rollout task through the REST API (experiment ``CLEARED`` on the same stack):
+
+    1. rollout batch 1 of epoch 0 is held in its middle by the test hook (tests/faults: the worker
+       actor writes its PID to ``.held`` and waits), its task deferred on its Ray job;
+    2. that task instance is cleared (``clearTaskInstances``, ``dry_run: false``, as the UI does):
+       Airflow cancels the trigger, the trigger's ``on_kill`` stops the Ray job, the job's driver
+       fences the attempt in the store and kills the actor;
+    3. the held actor process must be gone within ``STOP_S`` (5 s) of the clear request; the
+       attempt's fence record must exist; the hold is then released for the retry;
+    4. the run must succeed; the unit's marker names the retry's attempt (never the killed one),
+       it was committed once (one ``committed`` event), the killed attempt left no files; every
+       unit committed exactly once; the final ``weights_sha256`` equals the fault-free reference
+       (the experiment's name is not in any seed).
+    """
+    from verl_tasks.config import load_config
+    from verl_tasks.events import read_events
+    from verl_tasks.runner import status
+    from verl_tasks.store.units import ATTEMPTS, MARKER, fence_record, read_marker
+
+    api: Api = stack["api"]
+    t0 = time.monotonic()
+    api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
+
+    # -- 1. hold rollout batch 1 in its middle ---------------------------------------------------
+    held = faults.hold(stack["faults"], CLEARED, 0, HELD_BATCH)
+    run_id = "e2e_clear_running_" + secrets.token_hex(3)
+    watch = Watch(stack, run_id, CLEARED)
+    store, layout = watch.store, watch.layout
+    unit = layout.rollout(0, HELD_BATCH)
+    task = f"{ROLLOUT}[{HELD_BATCH}]"
+    api.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
+                {"dag_run_id": run_id, "logical_date": None, "conf": {"experiment": CLEARED}})
+
+    def started_attempts() -> list[dict]:
+        return [e for e in read_events(store, layout) if e["kind"] == "started" and e.get("unit") == unit]
+
+    def in_its_middle():
+        """The held PID, the task's state and the attempt's `started` event, once all are there."""
+        if not held.exists():
+            return None
+        tis = api.task_instances(DAG_ID, run_id)
+        state = states(tis).get(task)
+        if state not in ("deferred", "running"):
+            return None
+        started = started_attempts()
+        return (int(held.read_text()), state, started) if started else None
+
+    pid, state_at_clear, started = watch.wait(f"{task} to be held in its middle", in_its_middle)
+    assert len(started) == 1, started
+    killed = started[0]["attempt"]
+    assert started[0]["pid"] == pid, (started[0], pid)  # the held process is the one running the attempt
+    assert _alive(pid) and read_marker(store, unit) is None
+    print(f"\n{task} held in its middle after {time.monotonic() - t0:.0f}s: actor pid {pid}, attempt {killed}, "
+          f"task {state_at_clear}")
+
+    # -- 2. clear that task instance while it runs ----------------------------------------------
+    clear_sent = time.monotonic()
+    cleared = api.clear(DAG_ID, {"task_ids": [[ROLLOUT, HELD_BATCH]], "dag_run_id": run_id,
+                                 "include_downstream": False, "include_upstream": False, "only_failed": False,
+                                 "reset_dag_runs": False})
+    clear_answered = time.monotonic() - clear_sent
+    assert [ti_key(t) for t in cleared["task_instances"]] == [task], cleared
+
+    # -- 3. the actor's work stops within STOP_S; the attempt is fenced --------------------------
+    def diagnose_stop() -> str:
+        logs = "\n".join(f"--- {path}\n{text[-3000:]}"
+                         for path, text in stack["airflow"].task_logs(DAG_ID, run_id).items()
+                         if path.startswith(f"task_id={ROLLOUT}/map_index={HELD_BATCH}/"))
+        return (f"actor pid {pid} alive={_alive(pid)}; fence={fence_record(store, unit, killed)}; "
+                f"ray jobs={watch.jobs()}\n{stack['airflow'].component_tail('triggerer', 40)}\n{logs}")
+
+    wait_for(f"actor process {pid} of the cleared attempt to be gone", lambda: not _alive(pid), 60, every=0.05,
+             diagnose=diagnose_stop)
+    stopped_s = time.monotonic() - clear_sent
+    fence = wait_for("the cleared attempt's fence record", lambda: fence_record(store, unit, killed), 60,
+                     every=0.1, diagnose=diagnose_stop)
+    fenced_s = time.monotonic() - clear_sent
+    print(f"clear answered in {clear_answered:.2f}s; actor process gone {stopped_s:.2f}s after the clear request; "
+          f"fence record seen after {fenced_s:.2f}s: {fence}")
+    faults.release(stack["faults"], CLEARED, 0, HELD_BATCH)  # the retry must not be held
+    assert stopped_s <= STOP_S, f"the cleared attempt's actor ran {stopped_s:.2f}s after the clear\n{diagnose_stop()}"
+    assert "stopped" in fence.get("reason", ""), fence
+    assert read_marker(store, unit) is None, "a marker appeared although the attempt was cancelled"
+
+    # -- 4. the retry commits once; the run succeeds with the fault-free weights -------------------
+    state, tis = watch.wait_run()
+    by_key = states(tis)
+    print(f"run {state} {time.monotonic() - t0:.0f}s after the trigger: {by_key}")
+    assert state == "success", f"{json.dumps(by_key, indent=1)}\n{_failing_logs(stack['airflow'], run_id, tis)}"
+    assert all(v == "success" for v in by_key.values()), by_key
+    ti = next(t for t in tis if ti_key(t) == task)
+    assert ti["try_number"] >= 2, ti  # the clear made a new try
+    retry_log = "\n".join(text for path, text in stack["airflow"].task_logs(DAG_ID, run_id).items()
+                          if path.startswith(f"task_id={ROLLOUT}/map_index={HELD_BATCH}/attempt=2."))
+    raced = "which this try attached to, was stopped" in retry_log
+    print("the new try " + ("attached to the cleared try's job before its on_kill stopped it, then submitted "
+                            "the next attempt" if raced else
+                            "found the cleared try's job stopped and submitted the next one"))
+
+    record = read_marker(store, unit)
+    assert record is not None and record.attempt != killed, (record, killed)
+    events = read_events(store, layout)
+    mine = [e for e in events if e.get("unit") == unit]
+    assert Counter(e["kind"] for e in mine if e["kind"] == "committed") == {"committed": 1}, mine
+    assert {e["attempt"] for e in mine if e["kind"] == "started"} == {killed, record.attempt}, mine
+    assert not [e for e in mine if e["kind"] == "committed" and e.get("attempt") == killed], mine
+    keys = store.list(unit + "/")
+    assert not [k for k in keys if f"/{ATTEMPTS}/{killed}/" in k], f"the killed attempt left files: {keys}"
+    assert fence_record(store, unit, record.attempt) is None
+
+    committed = Counter(e["unit"] for e in events if e["kind"] == "committed")
+    units = sorted(k[: -len(MARKER) - 1] for k in store.list(layout.root + "/") if k.endswith("/" + MARKER))
+    assert set(committed) == set(units) and all(n == 1 for n in committed.values()), committed
+    jobs = watch.jobs()
+    prefix = f"vt-{CLEARED}-e0-rollout-b{HELD_BATCH}-"
+    assert jobs.get(prefix + "a1") == "STOPPED" and jobs.get(prefix + "a2") == "SUCCEEDED", jobs
+
+    reference = reference_result(stack)
+    cfg = load_config(stack["yaml"], {"storage.uri": stack["store_uri"], "experiment": CLEARED})
+    latest = status(cfg, store)["latest_snapshot"]
+    print(f"weights_sha256: cleared run {latest['weights_sha256']} / fault-free reference "
+          f"{reference['weights_sha256']}")
+    assert latest["version"] == reference["version"] == 1
+    assert latest["weights_sha256"] == reference["weights_sha256"]
+    print(f"whole test body: {time.monotonic() - t0:.0f}s; actor stopped {stopped_s:.2f}s after the clear")
