@@ -47,11 +47,9 @@ def main() -> None:
     args = parser.parse_args()
     import logging
 
-    import ray
-
     from benchmarks.run import write_section
-    from verl_tasks.execution import local_head, pools
-    from verl_tasks.execution.cli_cluster import _free_ports
+    from verl_tasks.execution import local_head
+    from verl_tasks.execution.cli_cluster import _connect_when_ready, _free_ports
 
     logging.basicConfig(level=logging.WARNING)
     times: dict[str, list[float]] = {"one GPU, shared by default": [], "CPU pools": []}
@@ -61,10 +59,13 @@ def main() -> None:
         port, dashboard = _free_ports()
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=4, num_gpus=1, dashboard=False)
+        os.environ.update(info.client_env(), **info.driver_env())  # read by Ray when it is imported, just below
+        import ray
+
+        from verl_tasks.execution import pools
+
         try:
-            os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": info.token_file,
-                               "RAY_TMPDIR": info.tmpdir})
-            pools.ensure_connected(info.gcs_address)
+            _connect_when_ready(pools, info.gcs_address)
             for i in range(args.repeats):
                 for label, extra in (("one GPU, shared by default", GPUS), ("CPU pools", {})):
                     name = f"one-gpu-{i}" if extra else f"cpu-{i}"

@@ -35,6 +35,13 @@ def fail_at_commit(plan_dir: Path, experiment: str, phase: str, epoch: int, batc
     return flag.with_suffix(".failed")
 
 
+def store_fails_once(plan_dir: Path, experiment: str, phase: str, epoch: int, batch: int | None = None) -> Path:
+    """Plan one failed store write in the unit's next attempt (before its commit); returns the ``.failed`` file."""
+    flag = Path(plan_dir) / f"{unit_name(experiment, phase, epoch, batch)}.store-fails-once"
+    flag.write_text("store fails once\n")
+    return flag.with_suffix(".failed")
+
+
 def kill_update_worker(plan_dir: Path, experiment: str, epoch: int, rank: int) -> Path:
     """SIGKILL update worker ``rank`` mid-step in the unit's next attempt; returns the ``.killed`` file it leaves."""
     flag = Path(plan_dir) / f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}"

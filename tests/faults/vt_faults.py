@@ -9,6 +9,8 @@ plan is files in that folder, written by the test while those processes run:
   the file becomes ``.failed`` (an atomic rename, so exactly one attempt fails);
 * ``<experiment>.<label>.fail-at-commit``: the next attempt of that unit fails after all its work, just
   before its commit (the file becomes ``.failed``);
+* ``<experiment>.<label>.store-fails-once``: the next attempt of that unit fails after its work, as a store
+  write that did not go through would (a ``StoreError``); the file becomes ``.failed``;
 * ``<experiment>.<label>.hold``: the unit's rollout writes its PID to ``.held`` after loading the
   policy and waits there, before generating, until the test removes the hold file;
   ``.hold-start`` / ``.held-start`` likewise, before the unit starts (inline backend: before its
@@ -66,6 +68,16 @@ def fail_once(*, experiment: str, phase: str, epoch: int, batch: int | None = No
     name = f"{unit_name(experiment, phase, epoch, batch)}.fail-once"
     if _consume(name, ".failed"):
         raise InjectedFault(f"injected fault ({name}, pid {os.getpid()}); the next attempt runs normally")
+
+
+def store_write_fails(*, experiment: str, phase: str, epoch: int, batch: int | None = None, **_: Any) -> None:
+    """``before_commit`` hook: consume the unit's ``.store-fails-once`` file and fail as a store write that
+    did not go through would (a ``StoreError``, which the runners retry), or do nothing."""
+    name = f"{unit_name(experiment, phase, epoch, batch)}.store-fails-once"
+    if _consume(name, ".failed"):
+        from verl_tasks.errors import StoreError
+
+        raise StoreError(f"injected: a write to the store failed ({name}, pid {os.getpid()}); nothing was committed")
 
 
 def fail_at_commit(*, experiment: str, phase: str, epoch: int, batch: int | None = None, **_: Any) -> None:
@@ -129,6 +141,7 @@ def install() -> None:
     hooks.register("unit_start", fail_once)
     hooks.register("unit_start", hold_at_start)
     hooks.register("before_commit", fail_at_commit)
+    hooks.register("before_commit", store_write_fails)
     hooks.register("rollout_generate", hold)
     hooks.register("update_worker_step", kill_update_worker)
     hooks.register("update_worker_step", record_update_node)
