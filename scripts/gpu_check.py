@@ -173,13 +173,14 @@ def rollout(device: str, work: Path, cpu_layers: int | None) -> dict:
 def update_inputs(vocab: int, sequences: int):
     import random
 
+    from verl_tasks.config import AlgorithmConfig
     from verl_tasks.phases.update_steps import epoch_inputs
 
     rng = random.Random(0)
     samples = [{"prompt_ids": [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)],
                 "response_ids": [rng.randrange(vocab) for _ in range(RESPONSE_TOKENS)],
                 "score": float(i % 2), "prompt_id": f"p{i // 4}"} for i in range(sequences)]
-    return epoch_inputs(samples, pad_id=2, norm_adv_by_std=True)
+    return epoch_inputs(samples, pad_id=2, algo=AlgorithmConfig(), max_new_tokens=16)
 
 
 def experiment(overrides: dict):

@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from verl_tasks.algos import aggregate_loss, grpo_outcome_advantage, kl_penalty, policy_loss_vanilla
+from verl_tasks.algos import (
+    AdvantageInputs,
+    aggregate_loss,
+    estimator,
+    kl_penalty,
+    overlong_penalty,
+    policy_loss_vanilla,
+)
 from verl_tasks.errors import ConfigError
 
 
@@ -14,7 +21,7 @@ def test_grpo_advantage_unbiased_std_and_singleton_group():
     # group "a": scores 1, 0, 0 -> mean 1/3, unbiased std sqrt(1/3); group "b": one sample
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
-    adv = grpo_outcome_advantage(rewards, mask, ["a", "a", "a", "b"])
+    adv, _ = estimator("grpo")(AdvantageInputs(rewards, mask, ["a", "a", "a", "b"]))
     std = math.sqrt(1 / 3)
     assert adv[0, 0].item() == pytest.approx((1 - 1 / 3) / (std + 1e-6), rel=1e-6)
     assert adv[1, 1].item() == pytest.approx((0 - 1 / 3) / (std + 1e-6), rel=1e-6)
@@ -24,7 +31,7 @@ def test_grpo_advantage_unbiased_std_and_singleton_group():
 
 def test_dr_grpo_does_not_divide_by_std():
     rewards = torch.tensor([[2.0], [0.0]])
-    adv = grpo_outcome_advantage(rewards, torch.ones(2, 1), ["g", "g"], norm_adv_by_std=False)
+    adv, _ = estimator("grpo")(AdvantageInputs(rewards, torch.ones(2, 1), ["g", "g"], norm_adv_by_std=False))
     assert adv.squeeze().tolist() == [1.0, -1.0]
 
 
@@ -75,3 +82,24 @@ def test_kl_penalties():
     assert kl_penalty(torch.tensor([0.0]), torch.tensor([50.0]), "low_var_kl").item() == pytest.approx(10.0)
     with pytest.raises(ConfigError, match="low_var_kl"):
         kl_penalty(logp, ref, "k9")
+
+
+def test_dapo_overlong_penalty_is_linear_inside_the_buffer():
+    # max 10 tokens, buffer 4: no penalty up to 6 tokens, then -factor * (L - 6) / 4, reaching -factor at 10
+    penalty = overlong_penalty(torch.tensor([3, 6, 7, 8, 10]), 10, 4, 0.5)
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.125, -0.25, -0.5])
+
+
+def test_seq_mean_token_sum_norm_divides_the_sequence_mean_by_a_constant():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the last response is empty
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((6 + 4) / 2 / 3)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", 10.0).item() == pytest.approx((6 + 4) / 2 / 10)
+
+
+@pytest.mark.parametrize("name, needs", [("gae", "critic"), ("remax", "greedy baseline")])
+def test_estimators_whose_inputs_are_not_built_are_refused_at_load(name, needs):
+    from verl_tasks.config import AlgorithmConfig
+
+    with pytest.raises(ValueError, match=needs):
+        AlgorithmConfig(adv_estimator=name)

@@ -1,5 +1,6 @@
 """Training learns: the shipped tiny experiment, 8 epochs, ends at least 15 points of held-out
-accuracy above its base, on the HF engine inline and on vLLM on the Ray worker pools.
+accuracy above its base, on the HF engine inline (with GRPO's and RLOO's advantages) and on vLLM on the
+Ray worker pools.
 
 A change that breaks learning while staying deterministic fails here, not only in a demo.
 """
@@ -21,11 +22,13 @@ def gain(status: dict) -> tuple[float, float]:
     return status["base"]["metrics"]["eval_accuracy"], status["epochs"][-1]["metrics"]["eval_accuracy"]
 
 
-def test_the_tiny_experiment_learns_inline(tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_the_tiny_experiment_learns_inline(tmp_path, estimator):
     from verl_tasks.config import load_config
     from verl_tasks.runner import make_context, train
 
-    ctx = make_context(load_config(TINY_YAML, {"storage.uri": f"file://{tmp_path}/store"}))
+    ctx = make_context(load_config(TINY_YAML, {"storage.uri": f"file://{tmp_path}/store",
+                                               "algorithm.adv_estimator": estimator}))
     base, final = gain(train(ctx, ctx.config.epochs))
     assert final >= base + GAIN, f"held-out accuracy {base:.3f} -> {final:.3f}"
 

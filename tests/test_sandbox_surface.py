@@ -3,8 +3,6 @@ sibling portion of a namespace package), no part of /usr but the shared librarie
 namespace, key or BPF system call (a seccomp filter answers EPERM)."""
 from __future__ import annotations
 
-import pytest
-
 from verl_tasks.rewards.isolation import DENIED_SYSCALLS, seccomp_program
 from verl_tasks.rewards.sandbox import RewardSandbox
 

@@ -62,7 +62,7 @@ def _samples(count: int = 7, seed: int = 0) -> list[dict]:
 
 def _inputs(model: torch.nn.Module, seed: int = 0) -> UpdateInputs:
     """An epoch's inputs with old and reference log-probs that differ from the policy's (ratios != 1)."""
-    inputs = epoch_inputs(_samples(seed=seed), 0, norm_adv_by_std=True)
+    inputs = epoch_inputs(_samples(seed=seed), 0, AlgorithmConfig(), max_new_tokens=16)
     with torch.no_grad():
         logp = ResponseLogProbs(model)(**inputs.data, temperature=1.0)[0]
     g = torch.Generator().manual_seed(seed + 1)

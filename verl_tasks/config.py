@@ -35,7 +35,10 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps": 0,
                     "algorithm.total_steps": None, "algorithm.min_lr_ratio": 0.0, "rollout.tensor_parallel_size": 1,
                     "rollout.enforce_eager": None, "rollout.batch_invariant": False, "model.train_dtype": "float32",
-                    "rewards.cpu_limit_s": None, "rewards.max_processes": 64, "evaluate.regression_margin": 0.05}
+                    "rewards.cpu_limit_s": None, "rewards.max_processes": 64, "evaluate.regression_margin": 0.05,
+                    "algorithm.adv_estimator": "grpo", "algorithm.policy_loss": "vanilla", "algorithm.gamma": 1.0,
+                    "algorithm.lam": 1.0, "algorithm.loss_scale_factor": None,
+                    "rewards.overlong_buffer": {"enable": False, "len": 0, "penalty_factor": 1.0}}
 # What engines sharing one GPU may take of its memory together (CUDA contexts and the framework need the rest).
 SHARED_GPU_MEMORY = 0.9
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
@@ -167,6 +170,11 @@ class LossAgg(str, Enum):
     token_mean = "token-mean"
     seq_mean_token_sum = "seq-mean-token-sum"
     seq_mean_token_mean = "seq-mean-token-mean"
+    seq_mean_token_sum_norm = "seq-mean-token-sum-norm"
+
+
+# verl's names (algorithm.adv_estimator); gae and remax need parts not built yet (refused when chosen).
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae")
 
 
 class LRSchedule(str, Enum):
@@ -188,6 +196,18 @@ class AlgorithmConfig(Strict):
     """
 
     name: Literal["grpo"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"] = \
+        Field("grpo", description="verl's algorithm.adv_estimator: grpo (Dr. GRPO with norm_adv_by_std: false), "
+                                  "rloo, reinforce_plus_plus, reinforce_plus_plus_baseline; remax and gae are refused "
+                                  "until their greedy baselines and critic are built")
+    policy_loss: Literal["vanilla", "gspo"] = Field(
+        "vanilla", description="verl's actor.policy_loss.loss_mode: vanilla (clipped, dual clip; DAPO's clip-higher "
+                               "with clip_ratio_high > clip_ratio_low) or gspo (sequence-level ratio)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of reinforce_plus_plus (and gae)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    loss_scale_factor: float | None = Field(
+        None, gt=0, description="seq-mean-token-sum-norm: the constant a batch's summed loss is divided by; "
+                                "default: rollout.max_new_tokens")
     group_size: int = Field(8, gt=0, description="samples per prompt (verl rollout.n)")
     norm_adv_by_std: bool = True
     clip_ratio_low: float = Field(0.2, ge=0, lt=1)
@@ -216,6 +236,16 @@ class AlgorithmConfig(Strict):
                 raise ValueError(f"algorithm.betas {list(value)}: each must be a number in [0, 1) (AdamW's "
                                  f"moment decays; the usual values are 0.9 and 0.999)")
         return value
+
+    @model_validator(mode="after")
+    def _estimator_is_built(self) -> AlgorithmConfig:
+        missing = {"gae": "a critic (a value model with its own update and snapshots)",
+                   "remax": "the greedy baseline answer of each prompt, rolled out and scored with the batch"}
+        if self.adv_estimator in missing:
+            raise ValueError(f"algorithm.adv_estimator {self.adv_estimator!r} needs {missing[self.adv_estimator]}, "
+                             f"which verl-tasks does not build yet; use grpo, rloo, reinforce_plus_plus or "
+                             f"reinforce_plus_plus_baseline")
+        return self
 
     @model_validator(mode="after")
     def _std_needs_groups(self) -> AlgorithmConfig:
@@ -248,6 +278,16 @@ class RolloutConfig(Strict):
                            "samples anew (still exactly once); on the CPU samples repeat either way")
 
 
+class OverlongBuffer(Strict):
+    """DAPO's soft overlong punishment: a response longer than ``rollout.max_new_tokens - len`` tokens loses up
+    to ``penalty_factor`` of its reward, linearly, reaching it at ``max_new_tokens`` (verl's
+    ``reward_model.overlong_buffer``)."""
+
+    enable: bool = False
+    len: int = Field(0, ge=0, description="the buffer before rollout.max_new_tokens where the penalty grows")
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class RewardsConfig(Strict):
     """The reward function and the sandbox that runs it (``verl_tasks.rewards.sandbox``)."""
 
@@ -266,6 +306,7 @@ class RewardsConfig(Strict):
                                   "where they cannot be made); process: a plain child process that sees this "
                                   "machine's files and network, only where the deployment allows it "
                                   "(VERL_TASKS_REWARD_ISOLATIONS on the workers; logged as a warning). Not hashed")
+    overlong_buffer: OverlongBuffer = OverlongBuffer()
     default_score: float = Field(0.0, allow_inf_nan=False, description="the score of a sample that could not be "
                                                                        "scored, or scored out of range")
     max_failure_fraction: float = Field(0.1, ge=0, le=1)
@@ -559,6 +600,14 @@ class ExperimentConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> ExperimentConfig:
+        buffer, longest = self.rewards.overlong_buffer, self.rollout.max_new_tokens
+        if buffer.enable and not 0 < buffer.len <= longest:
+            raise ValueError(f"rewards.overlong_buffer.len is {buffer.len}: with enable: true it must be between 1 "
+                             f"and rollout.max_new_tokens ({longest})")
+        return self
+
+    @model_validator(mode="after")
     def _engines_fit_a_shared_gpu(self) -> ExperimentConfig:
         """Fractional GPUs let Ray put several vLLM engines on one GPU; each takes
         ``rollout.gpu_memory_utilization`` of its memory at start-up, so more than fits is refused now."""
@@ -700,6 +749,11 @@ TRIGGER_BOUNDS: dict[str, Bound | None] = {
     "algorithm.warmup_steps": Bound(4, 1000),
     "algorithm.total_steps": Bound(4, 100_000),
     "algorithm.min_lr_ratio": Bound(None, 1.0),
+    "algorithm.adv_estimator": None,
+    "algorithm.policy_loss": None,
+    "algorithm.gamma": Bound(None, 1.0),
+    "algorithm.lam": Bound(None, 1.0),
+    "algorithm.loss_scale_factor": Bound(4, 100_000),
     "rollout.temperature": Bound(2, 2.0),
     "rollout.top_p": Bound(None, 1.0),
     "rollout.max_new_tokens": Bound(4, 16),

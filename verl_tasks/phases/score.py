@@ -30,6 +30,18 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
         ]
         with scoring_sandbox(cfg) as sandbox:
             result = sandbox.score(requests, cfg.default_score)
+        buffer = cfg.overlong_buffer
+        if buffer.enable:  # DAPO's soft overlong punishment, added to what the function returned
+            import torch
+
+            from verl_tasks.algos import overlong_penalty
+
+            lengths = torch.tensor([len(s["response_ids"]) for s in samples])
+            penalties = overlong_penalty(lengths, ctx.config.rollout.max_new_tokens, buffer.len,
+                                         buffer.penalty_factor).tolist()
+            result.scores = [value + penalty if sid not in result.failures else value
+                             for value, penalty, sid in zip(result.scores, penalties, (r["id"] for r in requests),
+                                                            strict=True)]
         for i, value in enumerate(result.scores):  # a score out of range is a failed sample, never trained on
             if not (math.isfinite(value) and cfg.min_score <= value <= cfg.max_score):
                 result.failures[requests[i]["id"]] = (f"score {value!r} outside rewards.min_score..max_score "

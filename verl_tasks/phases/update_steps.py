@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from verl_tasks.algos import aggregate_loss, grpo_outcome_advantage, kl_penalty, lr_at, policy_loss_vanilla, schedule_of
+from verl_tasks.algos import AdvantageInputs, aggregate_loss, estimator, kl_penalty, lr_at, policy_loss, schedule_of
 from verl_tasks.config import AlgorithmConfig, ModelConfig
 from verl_tasks.errors import NonFiniteUpdate
 from verl_tasks.train.logprobs import ResponseLogProbs
@@ -32,13 +32,15 @@ class UpdateInputs:
 
     ``data``: the collated batch (``DATA_KEYS``, ``[B, L]`` or ``[B, R]``);
     ``old_logp``, ``advantages``, ``ref_logp``: ``[B, R]`` (``ref_logp`` None without KL;
-    ``old_logp`` None when the epoch is one optimizer step: the step's own detached log-probs).
+    ``old_logp`` None when the epoch is one optimizer step: the step's own detached log-probs);
+    ``loss_scale``: the constant ``seq-mean-token-sum-norm`` divides by (None for the other modes).
     """
 
     data: dict[str, torch.Tensor]
     old_logp: torch.Tensor | None
     advantages: torch.Tensor
     ref_logp: torch.Tensor | None
+    loss_scale: float | None = None
 
     def __len__(self) -> int:
         return self.advantages.size(0)
@@ -46,7 +48,7 @@ class UpdateInputs:
     def to(self, device: torch.device) -> UpdateInputs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return UpdateInputs({k: v.to(device) for k, v in self.data.items()}, move(self.old_logp),
-                            self.advantages.to(device), move(self.ref_logp))
+                            self.advantages.to(device), move(self.ref_logp), self.loss_scale)
 
 
 def collate(samples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -76,16 +78,24 @@ def collate(samples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tenso
     }
 
 
-def epoch_inputs(samples: list[dict[str, Any]], pad_id: int, norm_adv_by_std: bool) -> UpdateInputs:
-    """The collated batch and its GRPO advantages (from the outcome scores); log-probs not yet computed."""
+def epoch_inputs(samples: list[dict[str, Any]], pad_id: int, algo: AlgorithmConfig,
+                 max_new_tokens: int) -> UpdateInputs:
+    """The collated batch and its advantages (``algo.adv_estimator`` over the outcome scores, each on its
+    sample's last response token); log-probs not yet computed. ``seq-mean-token-sum-norm`` divides by
+    ``algo.loss_scale_factor``, else by ``max_new_tokens`` (verl: the padded response length)."""
     data = collate(samples, pad_id)
     mask = data["response_mask"]
     scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
     token_rewards = torch.zeros_like(mask)
     last = (mask.sum(-1).long() - 1).clamp_min(0)
     token_rewards[torch.arange(len(samples)), last] = scores
-    advantages = grpo_outcome_advantage(token_rewards, mask, [s["prompt_id"] for s in samples], norm_adv_by_std)
-    return UpdateInputs(data, None, advantages, None)
+    advantages, _returns = estimator(algo.adv_estimator)(AdvantageInputs(
+        token_rewards, mask, [s["prompt_id"] for s in samples], norm_adv_by_std=algo.norm_adv_by_std,
+        gamma=algo.gamma, lam=algo.lam))
+    scale = None
+    if algo.loss_agg_mode.value == "seq-mean-token-sum-norm":
+        scale = float(algo.loss_scale_factor or max_new_tokens)
+    return UpdateInputs(data, None, advantages, None, scale)
 
 
 def autocast_dtype(model: ModelConfig) -> torch.dtype | None:
@@ -137,20 +147,23 @@ def micro_batches(inputs: UpdateInputs, rows: torch.Tensor, rank: int, world: in
     """This worker's micro-batches of minibatch ``rows``: (rows to run, loss weight, token-mean weight).
 
     The weights are each part's share of the minibatch: its response tokens (``token-mean``) or its
-    sequences (``seq-mean-*``) for the loss, its response tokens for token-mean metrics. Summed
+    non-empty responses (``seq-mean-*``) for the loss, its response tokens for token-mean metrics. Summed
     over the parts and workers, weighted losses give the whole minibatch's loss, hence its
     gradient, up to float summation order. An empty part runs one row at weight 0, so every
     worker takes part in every collective.
     """
     mask = inputs.data["response_mask"]
     tokens = max(float(mask[rows].sum()), 1.0)
+    sequences = max(float((mask[rows].sum(dim=-1) > 0).sum()), 1.0)  # the seq-means skip empty responses
     out = []
     for part in split_rows(rows, rank, world, size):
         if len(part) == 0:
             out.append((rows[:1], 0.0, 0.0))
             continue
         token_w = float(mask[part].sum()) / tokens
-        out.append((part, token_w if loss_agg_mode == "token-mean" else len(part) / len(rows), token_w))
+        # A mean over tokens or sequences is split by its share of them.
+        loss_w = token_w if loss_agg_mode == "token-mean" else float((mask[part].sum(dim=-1) > 0).sum()) / sequences
+        out.append((part, loss_w, token_w))
     return out
 
 
@@ -163,19 +176,20 @@ def minibatch_loss(
         (scalar loss with its graph, metrics ``actor/*`` of these rows).
     """
     mb = select_rows(inputs.data, rows)
-    mode = algo.loss_agg_mode.value
+    mode, scale = algo.loss_agg_mode.value, inputs.loss_scale
     logp, entropy = response_logprobs(module, mb, temperature, with_entropy=True)
     old_logp = inputs.old_logp[rows] if inputs.old_logp is not None else logp.detach()
-    pg_loss, pg_metrics = policy_loss_vanilla(
+    pg_loss, pg_metrics = policy_loss(algo.policy_loss)(
         old_logp, logp, inputs.advantages[rows], mb["response_mask"],
-        algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, mode,
+        algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c, mode, scale,
     )
     assert entropy is not None  # asked for above
-    entropy_loss = aggregate_loss(entropy, mb["response_mask"], mode)
+    entropy_loss = aggregate_loss(entropy, mb["response_mask"], mode, scale)
     loss = pg_loss - algo.entropy_coef * entropy_loss
     metrics = {**pg_metrics, "actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item()}
     if inputs.ref_logp is not None:
-        kl = aggregate_loss(kl_penalty(logp, inputs.ref_logp[rows], algo.kl_type.value), mb["response_mask"], mode)
+        kl = aggregate_loss(kl_penalty(logp, inputs.ref_logp[rows], algo.kl_type.value), mb["response_mask"], mode,
+                            scale)
         loss = loss + algo.kl_coef * kl
         metrics["actor/kl_loss"] = kl.item()
     metrics["actor/loss"] = loss.item()
