@@ -600,6 +600,42 @@ def resume(
                   markup=False, highlight=False, soft_wrap=True)
 
 
+@app.command("import-verl")
+def import_verl(
+    overrides: list[str] | None = typer.Argument(None, help="verl command-line overrides, key=value (e.g. "
+                                                             "algorithm.adv_estimator=rloo)"),
+    output: Path = typer.Option(..., "--output", "-o", help="the experiment YAML to write"),
+    verl_config: Path | None = typer.Option(None, "--config", help="a verl trainer YAML, read before the overrides"),
+    force: bool = typer.Option(False, "--force", help="overwrite --output"),
+) -> None:
+    """Write an experiment from a verl trainer config and/or its overrides; list every key not mapped, and why."""
+    _setup_logging(False)
+    import yaml
+
+    from verl_tasks.config import parse_config
+    from verl_tasks.verl_import import import_verl as convert
+    from verl_tasks.verl_import import read_verl_yaml
+
+    if output.exists() and not force:
+        _fail(VerlTasksError(f"{output} exists; pass --force to overwrite it"))
+    try:
+        result = convert(read_verl_yaml(verl_config) if verl_config else None, overrides or [])
+    except VerlTasksError as err:
+        _fail(err)
+    header = ["# Written by `verl-tasks import-verl` from verl's trainer config (see docs/verl-import.md)."]
+    header += [f"# not mapped: {key}: {why}" for key, why in sorted(result.unmapped.items())]
+    header += [f"# not needed: {key}: {why}" for key, why in sorted(result.not_needed.items())]
+    output.write_text("\n".join(header) + "\n" + yaml.safe_dump(result.experiment, sort_keys=False))
+    for key, why in sorted(result.unmapped.items()):
+        console.print(f"not mapped: {key}: {why}", markup=False, highlight=False, soft_wrap=True)
+    try:
+        parse_config(result.experiment)
+    except VerlTasksError as err:
+        _fail(VerlTasksError(f"wrote {output}, which does not load yet: {err}"))
+    console.print(f"wrote {output}: {len(result.unmapped)} key(s) not mapped, {len(result.not_needed)} not needed; "
+                  f"run it with `verl-tasks run {output}`", markup=False, highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     """The console entry: run the command, then end the process without the interpreter's teardown.
 

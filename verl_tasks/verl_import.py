@@ -1,0 +1,449 @@
+"""A verl trainer config (its YAML and/or its ``key=value`` command-line overrides) as a verl-tasks experiment.
+
+verl's key names and defaults are facts from verl 0.9.1 (``verl/trainer/config/_generated_ppo_trainer.yaml``):
+a key the user did not set takes verl's default, so the experiment trains as verl would have (verl's
+AdamW weight decay of 0.01, for one, differs from this project's default). What verl-tasks calls an epoch
+is one verl training step: ``data.train_batch_size`` prompts rolled out, scored, gated and trained on.
+
+:data:`RULES` is the whole mapping (``docs/verl-import.md`` is generated from it); :func:`import_verl` is
+pure: it reads no file except, to count the steps of ``trainer.total_epochs``, the training data file.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from verl_tasks.errors import ConfigError
+
+# verl 0.9.1's defaults of the keys that map (unset keys take these, as they would in verl).
+VERL_DEFAULTS: dict[str, Any] = {
+    "algorithm.adv_estimator": "gae",
+    "algorithm.gamma": 1.0,
+    "algorithm.lam": 1.0,
+    "algorithm.norm_adv_by_std_in_grpo": True,
+    "data.max_prompt_length": 512,
+    "data.max_response_length": 512,
+    "data.train_batch_size": 1024,
+    "actor_rollout_ref.actor.optim.lr": 1e-6,
+    "actor_rollout_ref.actor.optim.weight_decay": 0.01,
+    "actor_rollout_ref.actor.optim.betas": [0.9, 0.999],
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+    "actor_rollout_ref.actor.optim.min_lr_ratio": 0.0,
+    "actor_rollout_ref.actor.grad_clip": 1.0,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 256,
+    "actor_rollout_ref.actor.ppo_epochs": 1,
+    "actor_rollout_ref.actor.clip_ratio": 0.2,
+    "actor_rollout_ref.actor.clip_ratio_c": 3.0,
+    "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+    "actor_rollout_ref.actor.entropy_coeff": 0.0,
+    "actor_rollout_ref.actor.use_kl_loss": False,
+    "actor_rollout_ref.actor.kl_loss_coef": 0.001,
+    "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla",
+    "actor_rollout_ref.rollout.n": 1,
+    "actor_rollout_ref.rollout.temperature": 1.0,
+    "actor_rollout_ref.rollout.top_p": 1.0,
+    "trainer.total_epochs": 30,
+    "trainer.experiment_name": "gsm8k",
+}
+KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "low_var_kl", "k3": "low_var_kl"}
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae")
+
+
+class Unmappable(Exception):
+    """A value of a mapped key that verl-tasks cannot express; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One verl key (or a ``*`` prefix of keys), where it goes and how (``how`` is read by people: the docs)."""
+
+    verl: str
+    target: str | None
+    how: str
+    convert: Callable[[Any], Any] | None = None
+
+    def matches(self, key: str) -> bool:
+        return key == self.verl or (self.verl.endswith(".*") and key.startswith(self.verl[:-1]))
+
+
+def _one_of(allowed: Iterable[str], what: str) -> Callable[[Any], Any]:
+    allowed = tuple(allowed)
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise Unmappable(f"{what} {value!r} is not one verl-tasks runs ({', '.join(allowed)})")
+        return value
+
+    return check
+
+
+def _single_file(value: Any) -> str:
+    files = value if isinstance(value, list) else [value]
+    if len(files) != 1 or not isinstance(files[0], str):
+        raise Unmappable(f"{len(files)} files; verl-tasks reads one .parquet or .jsonl file per split (merge them)")
+    return files[0]
+
+
+def _engine(value: Any) -> str:
+    if value not in ("vllm", "hf"):
+        raise Unmappable(f"rollout engine {value!r}: verl-tasks rolls out with vllm or hf")
+    return value
+
+
+def _model_path(value: Any) -> str:
+    return str(value)
+
+
+def _refuse(reason: str) -> Callable[[Any], Any]:
+    def refuse(value: Any) -> Any:
+        if value in (None, False, 0, "", [], {}) or value == -1:
+            return None  # off: nothing to map
+        raise Unmappable(reason)
+
+    return refuse
+
+
+def _kl_type(value: Any) -> str:
+    if value not in KL_TYPES:
+        raise Unmappable(f"kl_loss_type {value!r} (verl-tasks has k1, k2 and low_var_kl; no '+' straight-through)")
+    return KL_TYPES[value]
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("algorithm.adv_estimator", "algorithm.adv_estimator", "same name", _one_of(ESTIMATORS, "adv_estimator")),
+    Rule("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std", "same meaning (false: Dr. GRPO)"),
+    Rule("algorithm.gamma", "algorithm.gamma", "same"),
+    Rule("algorithm.lam", "algorithm.lam", "same"),
+    Rule("algorithm.use_kl_in_reward", None, "refused when true: verl-tasks puts KL in the loss only "
+         "(use_kl_loss)", _refuse("KL in the reward is not built; use actor_rollout_ref.actor.use_kl_loss")),
+    Rule("algorithm.filter_groups.enable", None, "refused when true: DAPO's dynamic sampling is not built",
+         _refuse("DAPO's dynamic sampling (filter_groups) is not built in verl-tasks")),
+    Rule("data.train_files", "data.train", "one .parquet or .jsonl file (verl's record format)", _single_file),
+    Rule("data.val_files", "data.eval", "one .parquet or .jsonl file; greedy held-out accuracy", _single_file),
+    Rule("data.max_prompt_length", "data.max_prompt_tokens", "same (a longer prompt is a data error)"),
+    Rule("data.max_response_length", "rollout.max_new_tokens", "same"),
+    Rule("data.train_batch_size", "rollout.prompts_per_batch", "prompts per epoch, split into "
+         "rollout.batches_per_epoch mapped rollout batches (the largest of 8, 4, 2, 1 that divides it)"),
+    Rule("data.seed", "seed", "same"),
+    Rule("actor_rollout_ref.model.path", "model.name_or_path", "model.source: hf; a local folder (nothing is "
+         "downloaded at run time)", _model_path),
+    Rule("actor_rollout_ref.model.trust_remote_code", "model.trust_remote_code", "same"),
+    Rule("actor_rollout_ref.model.lora_rank", None, "refused when > 0: LoRA is not built",
+         _refuse("LoRA (lora_rank > 0) is not built in verl-tasks; train the full model")),
+    Rule("actor_rollout_ref.actor.optim.lr", "algorithm.lr", "same"),
+    Rule("actor_rollout_ref.actor.optim.weight_decay", "algorithm.weight_decay", "same (verl's default 0.01)"),
+    Rule("actor_rollout_ref.actor.optim.betas", "algorithm.betas", "same"),
+    Rule("actor_rollout_ref.actor.optim.clip_grad", "algorithm.grad_clip", "same"),
+    Rule("actor_rollout_ref.actor.grad_clip", "algorithm.grad_clip", "same"),
+    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps", "algorithm.warmup_steps", "same; -1: "
+         "lr_warmup_steps_ratio decides"),
+    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "algorithm.warmup_steps", "times the run's "
+         "optimizer steps"),
+    Rule("actor_rollout_ref.actor.optim.lr_scheduler_type", "algorithm.lr_schedule", "constant or cosine",
+         _one_of(("constant", "cosine"), "lr_scheduler_type")),
+    Rule("actor_rollout_ref.actor.optim.warmup_style", "algorithm.lr_schedule", "verl's older name of "
+         "lr_scheduler_type", _one_of(("constant", "cosine"), "warmup_style")),
+    Rule("actor_rollout_ref.actor.optim.min_lr_ratio", "algorithm.min_lr_ratio", "same"),
+    Rule("actor_rollout_ref.actor.ppo_mini_batch_size", "algorithm.minibatch_size", "prompts -> sequences: times "
+         "rollout.n"),
+    Rule("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "resources.update.micro_batch_size", "same "
+         "(sequences per forward/backward on each worker)"),
+    Rule("actor_rollout_ref.actor.ppo_epochs", "algorithm.ppo_epochs", "same"),
+    Rule("actor_rollout_ref.actor.clip_ratio", "algorithm.clip_ratio_low", "both bounds, unless clip_ratio_low "
+         "/ clip_ratio_high say otherwise"),
+    Rule("actor_rollout_ref.actor.clip_ratio_low", "algorithm.clip_ratio_low", "same"),
+    Rule("actor_rollout_ref.actor.clip_ratio_high", "algorithm.clip_ratio_high", "same (DAPO's clip-higher)"),
+    Rule("actor_rollout_ref.actor.clip_ratio_c", "algorithm.clip_ratio_c", "same (dual clip)"),
+    Rule("actor_rollout_ref.actor.loss_agg_mode", "algorithm.loss_agg_mode", "same",
+         _one_of(("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+                 "loss_agg_mode")),
+    Rule("actor_rollout_ref.actor.loss_scale_factor", "algorithm.loss_scale_factor", "same"),
+    Rule("actor_rollout_ref.actor.policy_loss.loss_mode", "algorithm.policy_loss", "vanilla or gspo",
+         _one_of(("vanilla", "gspo"), "policy_loss.loss_mode")),
+    Rule("actor_rollout_ref.actor.entropy_coeff", "algorithm.entropy_coef", "same"),
+    Rule("actor_rollout_ref.actor.use_kl_loss", "algorithm.kl_type", "false: none; true: kl_loss_type"),
+    Rule("actor_rollout_ref.actor.kl_loss_type", "algorithm.kl_type", "kl/k1, mse/k2, low_var_kl/k3", _kl_type),
+    Rule("actor_rollout_ref.actor.kl_loss_coef", "algorithm.kl_coef", "same (0 without use_kl_loss)"),
+    Rule("actor_rollout_ref.actor.strategy", "resources.update.strategy", "fsdp, fsdp2 -> fsdp2",
+         _one_of(("fsdp", "fsdp2"), "actor strategy")),
+    Rule("actor_rollout_ref.rollout.name", "rollout.engine", "vllm or hf", _engine),
+    Rule("actor_rollout_ref.rollout.n", "algorithm.group_size", "same"),
+    Rule("actor_rollout_ref.rollout.temperature", "rollout.temperature", "same (also the log-prob temperature)"),
+    Rule("actor_rollout_ref.rollout.top_p", "rollout.top_p", "same"),
+    Rule("actor_rollout_ref.rollout.tensor_model_parallel_size", "rollout.tensor_parallel_size", "same"),
+    Rule("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", "same"),
+    Rule("actor_rollout_ref.rollout.enforce_eager", "rollout.enforce_eager", "same"),
+    Rule("reward_model.overlong_buffer.enable", "rewards.overlong_buffer.enable", "DAPO's overlong penalty"),
+    Rule("reward_model.overlong_buffer.len", "rewards.overlong_buffer.len", "same"),
+    Rule("reward_model.overlong_buffer.penalty_factor", "rewards.overlong_buffer.penalty_factor", "same"),
+    Rule("reward_model.enable", None, "refused when true: a reward model is not built (reward functions are)",
+         _refuse("a reward model (reward_model.enable) is not built; score with a reward function")),
+    Rule("custom_reward_function.path", None, "refused when set: rewards.function imports a module "
+         "(package.module:function) installed where the workers run", _refuse(
+             "a reward function file; put it in a package installed on the workers and set rewards.function: "
+             "package.module:function")),
+    Rule("reward.custom_reward_function.path", None, "as custom_reward_function.path", _refuse(
+        "a reward function file; put it in a package installed on the workers and set rewards.function: "
+        "package.module:function")),
+    Rule("critic.*", None, "refused: PPO's critic is not built (adv_estimator gae needs it)",
+         _refuse("PPO's critic is not built in verl-tasks")),
+    Rule("trainer.total_training_steps", "epochs", "one verl-tasks epoch per training step"),
+    Rule("trainer.total_epochs", "epochs", "times the training file's steps (rows // train_batch_size), "
+         "unless total_training_steps is set"),
+    Rule("trainer.experiment_name", "experiment", "same, made a valid name"),
+    Rule("trainer.test_freq", "evaluate.every", "same; -1: only the last epoch"),
+)
+# Keys that need no counterpart: what they set, verl-tasks does another way (said in the docs table too).
+NOT_NEEDED: tuple[tuple[str, str], ...] = (
+    ("actor_rollout_ref.actor.fsdp_config.*", "FSDP memory knobs: resources.update.strategy / cpu_offload"),
+    ("actor_rollout_ref.ref.*", "the reference is the base snapshot; its micro-batch is the update's"),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "log-probs use the update's micro-batch"),
+    ("actor_rollout_ref.model.use_remove_padding", "an implementation choice of verl's actor"),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing", "an implementation choice of verl's actor"),
+    ("data.filter_overlong_prompts", "a prompt longer than data.max_prompt_tokens is a data error, named"),
+    ("data.truncation", "a prompt longer than data.max_prompt_tokens is a data error, named"),
+    ("trainer.logger", "tracking.mlflow / tracking.tensorboard, and the Airflow Training page"),
+    ("trainer.project_name", "the experiment name is the project"),
+    ("trainer.n_gpus_per_node", "resources.<phase>.num_gpus / workers per phase"),
+    ("trainer.nnodes", "Ray places the phases' pools on the cluster's nodes"),
+    ("trainer.save_freq", "every epoch commits a snapshot; storage.keep_snapshots prunes"),
+    ("trainer.critic_warmup", "no critic"),
+    ("trainer.use_legacy_worker_impl", "an implementation choice of verl's workers"),
+    ("trainer.default_local_dir", "storage.uri"),
+)
+
+
+@dataclass
+class Imported:
+    """The experiment (nested, as its YAML) and every given key verl-tasks did not map, with why."""
+
+    experiment: dict[str, Any]
+    unmapped: dict[str, str] = field(default_factory=dict)
+    not_needed: dict[str, str] = field(default_factory=dict)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if key in ("defaults", "hydra") and not prefix:
+            continue  # Hydra's composition list: the keys it pulls in are verl's defaults
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """``key=value`` as on verl's command line (Hydra: ``+key=value`` adds, ``++key=value`` forces)."""
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.lstrip("+")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", key):
+            raise ConfigError(f"override {item!r}: expected key=value, as on verl's command line")
+        try:
+            parsed[key] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            parsed[key] = raw
+    return parsed
+
+
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+
+
+def _numbers(flat: dict[str, Any]) -> dict[str, Any]:
+    """``1e-6`` as a float: PyYAML reads exponents without a dot as strings, OmegaConf (verl) as floats."""
+    return {k: float(v) if isinstance(v, str) and _NUMBER.match(v) else v for k, v in flat.items()}
+
+
+_REFERENCE = re.compile(r"^\$\{(?:oc\.select:)?([A-Za-z0-9_.]+)(?:,([^}]*))?\}$")
+
+
+def _resolve(flat: dict[str, Any]) -> dict[str, Any]:
+    """Resolve ``${a.b}`` and ``${oc.select:a.b,default}`` (what verl's YAML uses between its own keys)."""
+    resolved = dict(flat)
+    for _ in range(5):  # references to references
+        changed = False
+        for key, value in resolved.items():
+            match = _REFERENCE.match(value) if isinstance(value, str) else None
+            if match:
+                target, default = match.groups()
+                new = resolved.get(target, VERL_DEFAULTS.get(target, yaml.safe_load(default) if default else None))
+                if new != value:
+                    resolved[key], changed = new, True
+        if not changed:
+            break
+    return resolved
+
+
+def _experiment_name(value: Any) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-._")[:128]
+    return name or "imported"
+
+
+def _rows(path: str) -> int | None:
+    """Rows of a local .parquet / .jsonl file, None when it cannot be read here."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        return None
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(file).metadata.num_rows
+    with file.open("rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) -> Imported:
+    """The experiment a verl run of ``config`` (a trainer YAML's contents) with ``overrides`` describes."""
+    given = _numbers(_resolve({**flatten(config or {}), **parse_overrides(overrides)}))
+    values = {**VERL_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    out: dict[str, Any] = {}
+    result = Imported(out)
+
+    for key, value in sorted(given.items()):
+        rule = next((r for r in RULES if r.matches(key)), None)
+        reason = next((why for prefix, why in NOT_NEEDED if key == prefix or
+                       (prefix.endswith(".*") and key.startswith(prefix[:-1]))), None)
+        if rule is None and reason is not None:
+            result.not_needed[key] = reason
+        elif rule is None and value is not None:
+            result.unmapped[key] = "no counterpart in verl-tasks"
+        elif rule is not None and rule.target is None and rule.convert is not None:
+            try:
+                rule.convert(value)
+            except Unmappable as err:
+                result.unmapped[key] = str(err)
+
+    def take(key: str) -> Any:
+        rule = next(r for r in RULES if r.matches(key))
+        value = values.get(key)
+        if value is None or rule.convert is None:
+            return value
+        try:
+            return rule.convert(value)
+        except Unmappable as err:
+            result.unmapped[key] = str(err)
+            return None
+
+    def put(target: str, key: str, value: Any = ...) -> None:
+        value = take(key) if value is ... else value
+        if value is not None:
+            _set(out, target, value)
+
+    put("experiment", "trainer.experiment_name", _experiment_name(values["trainer.experiment_name"]))
+    if "data.seed" in values:
+        put("seed", "data.seed")
+    path = values.get("actor_rollout_ref.model.path")
+    if path is not None:
+        _set(out, "model.source", "hf")
+        put("model.name_or_path", "actor_rollout_ref.model.path")
+    put("model.trust_remote_code", "actor_rollout_ref.model.trust_remote_code")
+    for verl_key, target in (("data.train_files", "data.train"), ("data.val_files", "data.eval"),
+                             ("data.max_prompt_length", "data.max_prompt_tokens")):
+        put(target, verl_key)
+
+    n = int(values["actor_rollout_ref.rollout.n"])
+    prompts = int(values["data.train_batch_size"])
+    batches = next(b for b in (8, 4, 2, 1) if prompts % b == 0)
+    _set(out, "rollout.batches_per_epoch", batches)
+    _set(out, "rollout.prompts_per_batch", prompts // batches)
+    put("rollout.engine", "actor_rollout_ref.rollout.name")
+    for verl_key, target in (("data.max_response_length", "rollout.max_new_tokens"),
+                             ("actor_rollout_ref.rollout.temperature", "rollout.temperature"),
+                             ("actor_rollout_ref.rollout.top_p", "rollout.top_p"),
+                             ("actor_rollout_ref.rollout.tensor_model_parallel_size", "rollout.tensor_parallel_size"),
+                             ("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
+                             ("actor_rollout_ref.rollout.enforce_eager", "rollout.enforce_eager")):
+        if verl_key in values:
+            put(target, verl_key)
+
+    a = "actor_rollout_ref.actor."
+    _set(out, "algorithm.group_size", n)
+    _set(out, "algorithm.minibatch_size", int(values[a + "ppo_mini_batch_size"]) * n)
+    for verl_key, target in (("algorithm.adv_estimator", "adv_estimator"), ("algorithm.gamma", "gamma"),
+                             ("algorithm.lam", "lam"), ("algorithm.norm_adv_by_std_in_grpo", "norm_adv_by_std"),
+                             (a + "optim.lr", "lr"), (a + "optim.weight_decay", "weight_decay"),
+                             (a + "optim.betas", "betas"), (a + "optim.min_lr_ratio", "min_lr_ratio"),
+                             (a + "ppo_epochs", "ppo_epochs"), (a + "clip_ratio_c", "clip_ratio_c"),
+                             (a + "loss_agg_mode", "loss_agg_mode"), (a + "loss_scale_factor", "loss_scale_factor"),
+                             (a + "policy_loss.loss_mode", "policy_loss"), (a + "entropy_coeff", "entropy_coef")):
+        if verl_key in values:
+            put(f"algorithm.{target}", verl_key)
+    grad_clip = values.get(a + "optim.clip_grad", values[a + "grad_clip"])
+    _set(out, "algorithm.grad_clip", float(grad_clip))
+    put("algorithm.lr_schedule", a + ("optim.warmup_style" if values.get(a + "optim.warmup_style")
+                                      else "optim.lr_scheduler_type"))
+    clip = float(values[a + "clip_ratio"])
+    _set(out, "algorithm.clip_ratio_low", float(values.get(a + "clip_ratio_low") or clip))
+    _set(out, "algorithm.clip_ratio_high", float(values.get(a + "clip_ratio_high") or clip))
+    if values[a + "use_kl_loss"]:
+        put("algorithm.kl_type", a + "kl_loss_type")
+        _set(out, "algorithm.kl_coef", float(values[a + "kl_loss_coef"]))
+    else:
+        _set(out, "algorithm.kl_type", "none")
+    if values.get(a + "ppo_micro_batch_size_per_gpu"):
+        _set(out, "resources.update.micro_batch_size", int(values[a + "ppo_micro_batch_size_per_gpu"]))
+    if values.get(a + "strategy"):
+        if take(a + "strategy"):
+            _set(out, "resources.update.strategy", "fsdp2")
+    for part in ("enable", "len", "penalty_factor"):
+        if f"reward_model.overlong_buffer.{part}" in values:
+            put(f"rewards.overlong_buffer.{part}", f"reward_model.overlong_buffer.{part}")
+
+    steps = values.get("trainer.total_training_steps")
+    if steps is None:
+        rows = _rows(str(values["data.train_files"])) if "data.train_files" in values else None
+        if rows is None:
+            result.unmapped["trainer.total_epochs"] = ("the training file cannot be read here to count its steps; "
+                                                       "set trainer.total_training_steps (one epoch per step)")
+        else:
+            steps = int(values["trainer.total_epochs"]) * max(1, rows // prompts)
+    if steps is not None:
+        _set(out, "epochs", int(steps))
+        warmup = values.get(a + "optim.lr_warmup_steps")
+        ratio = values.get(a + "optim.lr_warmup_steps_ratio") or 0.0
+        steps_per_epoch = -(-prompts * n // out["algorithm"]["minibatch_size"]) * int(values[a + "ppo_epochs"])
+        if warmup is not None and int(warmup) > 0:
+            _set(out, "algorithm.warmup_steps", int(warmup))
+        elif ratio:
+            _set(out, "algorithm.warmup_steps", int(float(ratio) * int(steps) * steps_per_epoch))
+    test_freq = values.get("trainer.test_freq")
+    if test_freq is not None:
+        _set(out, "evaluate.every", max(0, int(test_freq)))
+    return result
+
+
+def read_verl_yaml(path: Path) -> dict[str, Any]:
+    """A verl trainer YAML's contents (bounded like every YAML this project reads)."""
+    from verl_tasks.yaml_files import read_yaml_file
+
+    loaded = read_yaml_file(path, "verl trainer config")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: a verl trainer config is a mapping at the top level")
+    return loaded
+
+
+def mapping_table() -> str:
+    """The mapping as a Markdown table (``docs/verl-import.md``)."""
+    lines = ["| verl key | verl-tasks key | how |", "|---|---|---|"]
+    for rule in RULES:
+        lines.append(f"| `{rule.verl}` | {f'`{rule.target}`' if rule.target else '-'} | {rule.how} |")
+    for key, why in NOT_NEEDED:
+        lines.append(f"| `{key}` | - | not needed: {why} |")
+    return "\n".join(lines) + "\n"
