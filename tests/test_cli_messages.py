@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,7 +114,8 @@ def test_a_second_demo_says_already_trained_and_shows_the_curve(tmp_path):
     shown = subprocess.run(["bash", "scripts/demo.sh"], cwd=util.ROOT, capture_output=True, text=True, env=env)
     assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
     assert "tiny-arith is already trained (1 epochs committed" in shown.stdout, shown.stdout
-    assert "nothing recomputed" in shown.stdout and "Held-out accuracy: 50.0% -> " in shown.stdout, shown.stdout
+    assert "nothing recomputed" in shown.stdout, shown.stdout
+    assert re.search(r"Held-out accuracy: \d+\.\d% -> \d+\.\d% \([+-]\d+\.\d points\)", shown.stdout), shown.stdout
     assert not (tmp_path / "airflow" / "airflow.db").exists()  # no Airflow run was started
 
 

@@ -56,7 +56,7 @@ def _log_to_file(path: Path | None, experiment: str) -> Path:
     """Every log line (INFO and up, every library's) also goes to ``path``, by default a new file under the
     cache folder; returns it."""
     if path is None:
-        from verl_tasks.phases.common import CACHE_DIR
+        from verl_tasks.local_cache import CACHE_DIR
 
         path = CACHE_DIR / "logs" / f"{experiment}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,13 +121,13 @@ def run(
     stack = ExitStack()
     try:
         cfg = _load(config, store, experiment, epochs)
-        console.print(f"log file: {_log_to_file(log_file, cfg.experiment)}", highlight=False)
+        console.print(f"log file: {_log_to_file(log_file, cfg.experiment)}", highlight=False, soft_wrap=True)
         if backend not in ("inline", "ray"):
             raise typer.BadParameter(f"--backend {backend!r}: use inline or ray")
         finished = None if resume_from else _already_trained(cfg)
         if finished is not None:
             console.print(f"{cfg.experiment}: already trained ({cfg.epochs} epochs committed in "
-                          f"{finished['store']}); nothing recomputed")
+                          f"{finished['store']}); nothing recomputed", soft_wrap=True)
             _finish(finished, report)
             return
         from verl_tasks.rewards.sandbox import preflight
@@ -269,7 +269,7 @@ def _print_summary(result: dict) -> None:
     console.print(table)
     latest = result["latest_snapshot"]
     if latest:
-        console.print(f"latest snapshot: {latest['uri']} sha256 {latest['weights_sha256'][:16]}")
+        console.print(f"latest snapshot: {latest['uri']} sha256 {latest['weights_sha256'][:16]}", soft_wrap=True)
 
 
 @app.command()

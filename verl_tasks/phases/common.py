@@ -23,6 +23,7 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError, PhaseFailed, SafeMode
 from verl_tasks.events import record_event
 from verl_tasks.layout import Layout
+from verl_tasks.local_cache import CACHE_DIR
 from verl_tasks.models import handover
 from verl_tasks.models.checkpoint import WEIGHTS, refuse_pickles
 from verl_tasks.models.device import resolve_device
@@ -45,9 +46,6 @@ from verl_tasks.store.units import (
 from verl_tasks.tracking import track_commit
 
 log = logging.getLogger(__name__)
-
-CACHE_DIR = Path(os.environ.get("VERL_TASKS_CACHE", Path.home() / ".cache" / "verl-tasks"))
-
 
 @dataclass
 class PhaseContext:

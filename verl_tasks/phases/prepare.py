@@ -5,6 +5,7 @@ the same experiment name is refused here, before any compute.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import tempfile
@@ -14,8 +15,9 @@ from typing import Any
 from verl_tasks import data as data_mod
 from verl_tasks.errors import DataError, PhaseFailed
 from verl_tasks.execution.lineage import seed_base_from
+from verl_tasks.local_cache import CACHE_DIR
 from verl_tasks.models.checkpoint import save_policy
-from verl_tasks.phases.common import CACHE_DIR, PhaseContext, committed, run_unit, set_determinism
+from verl_tasks.phases.common import PhaseContext, committed, run_unit, set_determinism
 from verl_tasks.pinning import pin_experiment
 from verl_tasks.store.units import CommitRecord, UnitWriter, committed_record, is_committed, read_jsonl
 
@@ -84,12 +86,14 @@ def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
         )
         save_policy(model, _tokenizer_for(ctx), work)
         return work, {"source": "hf", "name_or_path": cfg.model.name_or_path}
+    from verl_tasks.models import tiny as tiny_mod
     from verl_tasks.models.tiny import build_tokenizer, warm_start
 
-    key = json.dumps({"tiny": cfg.model.tiny.model_dump(), "seed": cfg.seed, "threads": cfg.torch_threads},
-                     sort_keys=True)
-    import hashlib
-
+    # The code that builds the warm start is part of the key: a cache made by another version of it is not
+    # the model this version would build.
+    builder = hashlib.sha256(Path(tiny_mod.__file__).read_bytes()).hexdigest()
+    key = json.dumps({"tiny": cfg.model.tiny.model_dump(), "seed": cfg.seed, "threads": cfg.torch_threads,
+                      "builder": builder}, sort_keys=True)
     cache = CACHE_DIR / "warm-start" / hashlib.sha256(key.encode()).hexdigest()[:20]
     if (cache / "info.json").exists():
         return cache, json.loads((cache / "info.json").read_text())
