@@ -502,8 +502,6 @@ def rollout_samples(store: ObjectStore, layout: Layout, rows: list[dict[str, Any
     fixed by their ids (the smallest sha256 of the sample id), so a reload shows the same ones."""
     from verl_tasks.store.units import read_jsonl
 
-    data = read_marker(store, layout.data("train"))
-    prompts = {row["id"]: row["prompt"] for row in read_jsonl(store, data, "prompts.jsonl")} if data else {}
     shown: list[dict[str, Any]] = []
     for row in sorted(rows, key=lambda r: r["epoch"], reverse=True):
         if len({s["epoch"] for s in shown}) >= epochs:
@@ -521,12 +519,28 @@ def rollout_samples(store: ObjectStore, layout: Layout, rows: list[dict[str, Any
             except (StoreError, NotFound, KeyError, TypeError, ValueError) as err:  # a damaged unit: not shown
                 log.warning("no samples of %s shown: %s", layout.rollout(epoch, batch), err)
                 continue
-            shown += [{"epoch": epoch, "batch": batch, "sample_id": x["sample_id"],
-                       "prompt": _prompt_text(prompts.get(x["prompt_id"], x["prompt_id"]))[:SAMPLE_CHARS],
+            shown += [{"epoch": epoch, "batch": batch, "sample_id": x["sample_id"], "prompt_id": x.get("prompt_id"),
                        "answer": str(x.get("response", ""))[:SAMPLE_CHARS], "reward": scores.get(x["sample_id"]),
                        "length": len(x.get("response_ids", []))} for x in samples]
             break
+    prompts = _prompts(store, layout) if shown else {}
+    for sample in shown:
+        prompt_id = sample.pop("prompt_id")
+        sample["prompt"] = _prompt_text(prompts.get(prompt_id, prompt_id))[:SAMPLE_CHARS]
     return shown
+
+
+def _prompts(store: ObjectStore, layout: Layout) -> dict[Any, Any]:
+    """Prompt id -> prompt of the committed train data; what cannot be read shows the ids instead."""
+    from verl_tasks.store.units import read_jsonl
+
+    data = read_marker(store, layout.data("train"))
+    try:
+        rows = read_jsonl(store, data, "prompts.jsonl") if data else []
+    except (StoreError, NotFound, ValueError) as err:
+        log.warning("prompts of %s not shown: %s", layout.data("train"), err)
+        return {}
+    return {row.get("id"): row.get("prompt") for row in rows if isinstance(row, dict)}
 
 
 def filter_events(events: list[dict[str, Any]], epoch: int | None, phase: str | None,
