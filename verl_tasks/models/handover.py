@@ -21,6 +21,7 @@ import logging
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -118,12 +119,14 @@ def fetch(config: Any, record: CommitRecord) -> dict[str, torch.Tensor] | None:
                 for name, dtype, shape, raw in payload["tensors"]}
 
 
-# Handed-over weights written as local folders for vLLM (which loads files), per node; the newest kept.
+# Handed-over weights written as local folders for vLLM (which loads files), per node; the newest kept, and
+# any made in the last HANDOVER_MIN_AGE_S (another experiment's engine on this node may be loading it).
 HANDOVER_KEEP = 2
+HANDOVER_MIN_AGE_S = 900
 
 
 def _handover_root() -> Path:
-    from verl_tasks.phases.common import CACHE_DIR
+    from verl_tasks.local_cache import CACHE_DIR
 
     return CACHE_DIR / "handover"
 
@@ -164,9 +167,16 @@ def materialize(tensors: dict[str, torch.Tensor], record: CommitRecord, configs:
             pass
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for stale in sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
-                        key=lambda p: p.stat().st_mtime, reverse=True)[HANDOVER_KEEP:]:
-        shutil.rmtree(stale, ignore_errors=True)
+    made = {}
+    for path in root.iterdir():
+        try:  # another process of this node may be pruning too
+            if path.is_dir() and not path.name.startswith("."):
+                made[path] = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+    for stale in sorted(made, key=made.__getitem__, reverse=True)[HANDOVER_KEEP:]:
+        if time.time() - made[stale] > HANDOVER_MIN_AGE_S:
+            shutil.rmtree(stale, ignore_errors=True)
     return local_folder(record)
 
 
