@@ -421,14 +421,21 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
     # Both exist at run time: _raylet.pyi omits the compiled GcsClient; protobuf makes gcs_pb2's names at import.
     from ray._raylet import GcsClient  # type: ignore[attr-defined]
     from ray.core.generated.gcs_pb2 import GcsNodeInfo  # type: ignore[attr-defined]
+    from ray.exceptions import RpcError
 
     deadline = time.monotonic() + timeout_s
     _gcs_listening(info, timeout_s)
-    client = GcsClient(address=info.gcs_address)
+    client = None
     while time.monotonic() < deadline:
         if not _alive(info):
             raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
-        nodes = client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values()
+        try:
+            client = client or GcsClient(address=info.gcs_address)
+            nodes = client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values()
+        except RpcError as err:  # a GCS still starting, or slow on a busy machine: asked again until the deadline
+            log.debug("ray head at %s not answering yet: %s", info.gcs_address, err)
+            time.sleep(0.5)
+            continue
         head = next((node for node in nodes if node.is_head_node), None)
         if head is not None:
             offered = dict(head.resources_total)
