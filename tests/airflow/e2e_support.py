@@ -226,6 +226,10 @@ def _group_alive(pgid: int) -> bool:
 
 
 # -- REST API v2 -----------------------------------------------------------------------------
+class DagImportError(AssertionError):
+    """A DAG file Airflow could not import: waiting longer cannot help, so :func:`wait_for` raises it at once."""
+
+
 class ApiError(RuntimeError):
     def __init__(self, status: int, body: str, what: str):
         super().__init__(f"{what}: HTTP {status}: {body[:2000]}")
@@ -264,6 +268,19 @@ class Api:
         raise AssertionError("unreachable")
 
     # convenience
+    def dag_parsed(self, dag_id: str) -> Any:
+        """The DAG's record once Airflow parsed it; falsy while not yet parsed. Raises :class:`DagImportError`
+        with the traceback Airflow recorded when a DAG file failed to import."""
+        errors = self.request("GET", "/api/v2/importErrors?limit=100")["import_errors"]
+        if errors:
+            raise DagImportError("\n".join(f"{e['filename']}: {e['stack_trace'][-3000:]}" for e in errors))
+        try:
+            return self.request("GET", f"/api/v2/dags/{dag_id}")
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
     def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
         out = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances?limit=500")
         return out["task_instances"]
@@ -302,6 +319,8 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, every: float
             value = probe()
             if value:
                 return value
+        except DagImportError:
+            raise
         except Exception as err:  # noqa: BLE001 - retried until giving up
             last_err = err
         now = time.monotonic()

@@ -66,6 +66,7 @@ data:
   train_size: 200
   eval_size: 20
 algorithm:
+  lr: 0.0001
   group_size: 4
   minibatch_size: 32
 rollout:
@@ -129,7 +130,7 @@ def standalone_stack(root: Path) -> Iterator[Stack]:
         wait_for("the Airflow API", lambda: airflow.alive() and api.request("GET", "/api/v2/version"), 120,
                  diagnose=diagnose, progress=airflow.log_size, limit_s=900)
         for dag_id in EXPERIMENTS:
-            wait_for(f"DAG {dag_id} to be parsed", lambda d=dag_id: api.request("GET", f"/api/v2/dags/{d}"), 120,
+            wait_for(f"DAG {dag_id} to be parsed", lambda d=dag_id: api.dag_parsed(d), 120,
                      diagnose=diagnose, progress=airflow.log_size, limit_s=600)
         yield Stack(api, airflow, f"file://{store}", plan_dir)
     finally:

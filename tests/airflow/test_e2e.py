@@ -221,7 +221,7 @@ def stack(tmp_path_factory, moto_endpoint):
         # Starting up, the log grows while anything happens (migrations, parsing).
         wait_for("the Airflow API", lambda: airflow.alive() and api.request("GET", "/api/v2/version"), 120,
                  every=POLL_S, diagnose=diagnose, progress=airflow.log_size, limit_s=900)
-        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 120,
+        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.dag_parsed(DAG_ID), 120,
                  every=POLL_S, diagnose=diagnose, progress=airflow.log_size, limit_s=600)
         # Warm the execution API (first request initialises it) before a worker depends on it.
         for path in ("/execution/health", "/execution/health/ping"):
@@ -373,7 +373,7 @@ def test_fault_clear_and_rerun_through_the_rest_api(stack):
     store, layout = watch.store, watch.layout
     watch.wait("safe mode", lambda: store.exists(layout.safe_mode))
     watch.wait("the failure callback to pause the DAG",
-               lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}")["is_paused"])
+               lambda: api.dag_parsed(DAG_ID)["is_paused"])
     resumed = subprocess.run([str(Path(sys.executable).parent / "verl-tasks"), "resume", str(stack["yaml"]),
                               "--experiment", EXPERIMENT], capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -255,7 +255,7 @@ def cluster(tmp_path_factory, moto_endpoint):
 
         wait_for("the Airflow API", lambda: api.request("GET", "/api/v2/version"), 120, every=2.0,
                  diagnose=diagnose, progress=logs_size, limit_s=900)
-        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 120, every=2.0,
+        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.dag_parsed(DAG_ID), 120, every=2.0,
                  diagnose=diagnose, progress=logs_size, limit_s=600)
         for path in ("/execution/health", "/execution/health/ping"):
             try:
