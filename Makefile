@@ -85,6 +85,7 @@ bench: install system-packages
 # docs/configuration.md, generated from verl_tasks/config.py (tests/test_docs.py fails when it is stale).
 docs: $(STAMP)
 	$(BIN)/python scripts/config_reference.py
+	$(BIN)/python scripts/verl_import_doc.py
 
 # The GPU check with this machine's own python3 and torch (a GPU machine's image), no venv, no pip, no network:
 # the few pure-Python packages it lacks come from .gpu-wheels (make gpu-wheels, run where there is network).

@@ -1,10 +1,9 @@
 """Write where the test suite's time goes into docs/development.md, from pytest's JUnit XML.
 
-    python scripts/test_durations.py --section after --command "CI=true bash .ci/run" \\
-        --junit ci-report/test.xml ci-report/chaos-slow.xml --stages ci-report/stages.tsv \\
-        [--wall-log ci.log]
+    python scripts/test_durations.py --section ci --command "CI=true bash .ci/run" \\
+        --junit ci-report/junit.xml --stages ci-report/stages.tsv [--wall-log ci.log]
 
-Each ``--section`` (a name such as ``before`` or ``after``) is its own block of the document, between
+Each ``--section`` (a name such as ``ci``) is its own block of the document, between
 ``<!-- test durations NAME: generated from here -->`` and ``... generated up to here -->``; a run rewrites
 its block only. The block gives the command that produced the XML, each XML's wall time and test count,
 the stage times of the CI run when ``--stages`` names the TSV ``.ci/run`` writes, the whole run's wall time
