@@ -73,11 +73,12 @@ lint: install
 	$(BIN)/mypy verl_tasks
 
 # Every section of BENCHMARKS.md, each written by its script, one after another, cheap ones first.
-# BENCH_LONG=0 leaves out the multi-minute ones (the last six; smollm2*.py import the model update_memory.py needs).
+# BENCH_LONG=0 leaves out the multi-minute ones (BENCH_SLOW; smollm2.py imports the model the later ones need).
 BENCH_LONG ?= 1
 BENCH_QUICK := dag_parse commit_files validate_cold status_cpu dashboard_render pool_cancel run gc_pauses \
 	skip_cost demo_split
-BENCH_SLOW := ray_vs_inline update_scaling submission_cost smollm2_epoch smollm2 update_memory
+BENCH_SLOW := ray_vs_inline update_scaling one_gpu_epoch estimators submission_cost smollm2 smollm2_epoch \
+	smollm2_workers weights_handover update_memory soak
 bench: install system-packages
 	@set -e; for name in $(BENCH_QUICK) $(if $(filter 0,$(BENCH_LONG)),,$(BENCH_SLOW)); do \
 		echo "== benchmarks/$$name.py"; $(BIN)/python benchmarks/$$name.py; done

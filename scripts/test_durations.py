@@ -127,7 +127,7 @@ def read_wall(path: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--junit", nargs="+", type=Path, required=True, help="pytest --junitxml files, in order")
-    parser.add_argument("--section", required=True, help="the block to rewrite, e.g. before or after")
+    parser.add_argument("--section", required=True, help="the block to rewrite, e.g. ci")
     parser.add_argument("--command", required=True, help="the command that produced the XML, quoted in the text")
     parser.add_argument("--stages", type=Path, help="the stage times .ci/run wrote (stage<TAB>seconds)")
     parser.add_argument("--wall-log", type=Path, help="a log ending with bash's time output: the whole run's time")
