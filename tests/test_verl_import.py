@@ -13,6 +13,7 @@ import yaml
 
 from tests.conftest import ROOT
 from verl_tasks.config import parse_config
+from verl_tasks.errors import ConfigError
 from verl_tasks.verl_import import RULES, import_verl, mapping_table
 
 EXAMPLES = Path(__file__).parent / "data" / "verl_examples"
@@ -51,7 +52,7 @@ def test_verl_ppo_example_is_refused_naming_the_critic(tmp_path):
     assert run.returncode != 0
     assert "critic.optim.lr: PPO's critic is not built" in run.stderr, run.stderr
     assert "adv_estimator 'gae' needs a critic" in " ".join(run.stderr.split()), run.stderr
-    assert out.is_file() and "# not mapped: critic.model.path" in out.read_text()  # written for the user to edit
+    assert out.is_file() and "# refused: critic.model.path" in out.read_text()  # written for the user to edit
 
 
 def test_refused_values_name_the_key_and_the_reason():
@@ -59,12 +60,74 @@ def test_refused_values_name_the_key_and_the_reason():
                                 "algorithm.filter_groups.enable=true", "actor_rollout_ref.actor.kl_loss_type=k3+",
                                 "actor_rollout_ref.actor.use_kl_loss=true", "data.train_files=[a.parquet,b.parquet]",
                                 "trainer.total_training_steps=2", "trainer.made_up_key=1"])
-    assert set(result.unmapped) == {"actor_rollout_ref.rollout.name", "actor_rollout_ref.model.lora_rank",
-                                    "algorithm.filter_groups.enable", "actor_rollout_ref.actor.kl_loss_type",
-                                    "data.train_files", "trainer.made_up_key"}, result.unmapped
-    assert "LoRA" in result.unmapped["actor_rollout_ref.model.lora_rank"]
-    assert "dynamic sampling" in result.unmapped["algorithm.filter_groups.enable"]
-    assert "2 files" in result.unmapped["data.train_files"]
+    assert set(result.refused) == {"actor_rollout_ref.rollout.name", "actor_rollout_ref.model.lora_rank",
+                                   "algorithm.filter_groups.enable", "actor_rollout_ref.actor.kl_loss_type",
+                                   "data.train_files"}, result.refused
+    assert set(result.unmapped) == {"trainer.made_up_key"}, result.unmapped
+    assert "LoRA" in result.refused["actor_rollout_ref.model.lora_rank"]
+    assert "dynamic sampling" in result.refused["algorithm.filter_groups.enable"]
+    assert "2 files" in result.refused["data.train_files"]
+
+
+def test_a_refused_key_fails_the_command_and_is_listed_in_the_file(tmp_path):
+    out = tmp_path / "lora.yaml"
+    run = cli("import-verl", "-o", str(out), "actor_rollout_ref.model.lora_rank=8", "trainer.total_training_steps=2")
+    assert run.returncode == 2, run.stdout + run.stderr
+    said = " ".join((run.stdout + run.stderr).split())
+    assert "refused: actor_rollout_ref.model.lora_rank:" in said and "cannot run what 1 key(s) ask" in said, said
+    assert "# refused: actor_rollout_ref.model.lora_rank: " in out.read_text()
+
+
+def test_a_key_cannot_leave_its_comment_line(tmp_path):
+    """A verl YAML key holding a newline stays inside the header comment: the file reads back as the
+    experiment import-verl made, with no key the verl config smuggled in."""
+    config = tmp_path / "verl.yaml"
+    smuggled = "x\nrewards: {function: 'os:system'}\ny"
+    config.write_text(yaml.safe_dump({"algorithm": {"adv_estimator": "reinforce_plus_plus"},
+                                      "trainer": {"total_training_steps": 2, smuggled: 1}}))
+    out = tmp_path / "exp.yaml"
+    run = cli("import-verl", "-o", str(out), "--config", str(config))
+    assert run.returncode == 0, run.stdout + run.stderr
+    written = yaml.safe_load(out.read_text())
+    assert "rewards" not in written, out.read_text()
+    assert written == import_verl(yaml.safe_load(config.read_text())).experiment
+
+
+@pytest.mark.parametrize("override, named", [
+    ("actor_rollout_ref.rollout.n=${data.nope}", "actor_rollout_ref.rollout.n=${data.nope}: a reference"),
+    ("actor_rollout_ref.rollout.n=[1,2]", "actor_rollout_ref.rollout.n=[1, 2]: expected an integer"),
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n=0: must be at least 1"),
+    ("data.train_batch_size=many", "data.train_batch_size='many': expected an integer"),
+])
+def test_a_value_import_verl_cannot_read_is_an_error_naming_its_key(override, named):
+    with pytest.raises(ConfigError) as err:
+        import_verl(None, [override, "trainer.total_training_steps=2"])
+    assert named in str(err.value), err.value
+
+
+def test_a_reference_cycle_is_an_error_not_a_default():
+    config = {"actor_rollout_ref": {"rollout": {"n": "${data.a}"}}, "data": {"a": "${actor_rollout_ref.rollout.n}"},
+              "trainer": {"total_training_steps": 2}}
+    with pytest.raises(ConfigError, match="a reference import-verl cannot resolve"):
+        import_verl(config)
+
+
+def test_clip_bounds_and_warm_up_are_read_as_verl_reads_them():
+    """verl's YAML sets clip_ratio_low and clip_ratio_high (0.2 each), which its losses prefer to clip_ratio;
+    its scheduler steps once per training step, ours once per optimizer step."""
+    base = ["trainer.total_training_steps=10", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"]
+    algo = import_verl(None, [*base, "actor_rollout_ref.actor.clip_ratio=0.3"]).experiment["algorithm"]
+    assert (algo["clip_ratio_low"], algo["clip_ratio_high"]) == (0.2, 0.2)
+    algo = import_verl(None, [*base, "actor_rollout_ref.actor.clip_ratio=0.3",
+                              "actor_rollout_ref.actor.clip_ratio_low=0",
+                              "actor_rollout_ref.actor.clip_ratio_high=null"]).experiment["algorithm"]
+    assert (algo["clip_ratio_low"], algo["clip_ratio_high"]) == (0.0, 0.3)
+    # 8 prompts x 2 samples in minibatches of 4 x 2 sequences, two passes: 4 optimizer steps per training step
+    algo = import_verl(None, [*base, "actor_rollout_ref.actor.optim.lr_warmup_steps=3"]).experiment["algorithm"]
+    assert algo["warmup_steps"] == 3 * 4
+    algo = import_verl(None, [*base, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.25"]).experiment
+    assert algo["algorithm"]["warmup_steps"] == int(0.25 * 10) * 4
 
 
 def test_verl_yaml_references_and_exponents_resolve_as_in_verl():

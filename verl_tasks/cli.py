@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -79,7 +80,7 @@ def _load(config: Path, store: str | None, experiment: str | None, epochs: int |
 
 
 def _fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/] {err}")
+    console.print(f"[bold red]error:[/] {escape(str(err))}")
     raise typer.Exit(code=2)
 
 
@@ -622,16 +623,35 @@ def import_verl(
         result = convert(read_verl_yaml(verl_config) if verl_config else None, overrides or [])
     except VerlTasksError as err:
         _fail(err)
+    def comment(text: str) -> str:  # a key or value from the verl config never leaves its comment line
+        return json.dumps(text, ensure_ascii=False)[1:-1]
+
     header = ["# Written by `verl-tasks import-verl` from verl's trainer config (see docs/verl-import.md)."]
-    header += [f"# not mapped: {key}: {why}" for key, why in sorted(result.unmapped.items())]
-    header += [f"# not needed: {key}: {why}" for key, why in sorted(result.not_needed.items())]
+    for kind, keys in (("refused", result.refused), ("not mapped", result.unmapped),
+                       ("not needed", result.not_needed)):
+        header += [f"# {kind}: {comment(key)}: {comment(why)}" for key, why in sorted(keys.items())]
     output.write_text("\n".join(header) + "\n" + yaml.safe_dump(result.experiment, sort_keys=False))
-    for key, why in sorted(result.unmapped.items()):
-        console.print(f"not mapped: {key}: {why}", markup=False, highlight=False, soft_wrap=True)
+    if yaml.safe_load(output.read_text()) != result.experiment:
+        _fail(VerlTasksError(f"{output} does not read back as the experiment written; a key of the verl config "
+                             f"holds characters a comment cannot; remove the key and import again"))
+    for kind, keys in (("refused", result.refused), ("not mapped", result.unmapped)):
+        for key, why in sorted(keys.items()):
+            console.print(f"{kind}: {comment(key)}: {comment(why)}", markup=False, highlight=False, soft_wrap=True)
+    if (result.experiment.get("model") or {}).get("trust_remote_code"):
+        console.print("warning: model.trust_remote_code is true (from actor_rollout_ref.model.trust_remote_code): "
+                      "loading the model runs Python code from its folder", markup=False, highlight=False,
+                      soft_wrap=True)
+    problems = []
+    if result.refused:
+        problems.append(f"verl-tasks cannot run what {len(result.refused)} key(s) ask "
+                        f"({', '.join(sorted(result.refused))}): the experiment would train something else; remove "
+                        f"or change them in the verl config and import again")
     try:
         parse_config(result.experiment)
     except VerlTasksError as err:
-        _fail(VerlTasksError(f"wrote {output}, which does not load yet: {err}"))
+        problems.append(f"it does not load yet: {err}")
+    if problems:
+        _fail(VerlTasksError(f"wrote {output}, but " + "; and ".join(problems)))
     console.print(f"wrote {output}: {len(result.unmapped)} key(s) not mapped, {len(result.not_needed)} not needed; "
                   f"run it with `verl-tasks run {output}`", markup=False, highlight=False, soft_wrap=True)
 

@@ -173,10 +173,6 @@ class LossAgg(str, Enum):
     seq_mean_token_sum_norm = "seq-mean-token-sum-norm"
 
 
-# verl's names (algorithm.adv_estimator); gae and remax need parts not built yet (refused when chosen).
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae")
-
-
 class LRSchedule(str, Enum):
     constant = "constant"
     linear = "linear"
@@ -206,8 +202,8 @@ class AlgorithmConfig(Strict):
     gamma: float = Field(1.0, ge=0, le=1, description="discount of reinforce_plus_plus (and gae)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
     loss_scale_factor: float | None = Field(
-        None, gt=0, description="seq-mean-token-sum-norm: the constant a batch's summed loss is divided by; "
-                                "default: rollout.max_new_tokens")
+        None, gt=0, description="seq-mean-token-sum-norm: the constant that the mean over sequences of each "
+                                "sequence's summed token loss is divided by; default: rollout.max_new_tokens")
     group_size: int = Field(8, gt=0, description="samples per prompt (verl rollout.n)")
     norm_adv_by_std: bool = True
     clip_ratio_low: float = Field(0.2, ge=0, lt=1)
@@ -249,10 +245,11 @@ class AlgorithmConfig(Strict):
 
     @model_validator(mode="after")
     def _std_needs_groups(self) -> AlgorithmConfig:
-        if self.group_size == 1 and self.norm_adv_by_std:
+        if self.group_size == 1 and self.adv_estimator in ("grpo", "rloo"):
             raise ValueError(
-                "algorithm.group_size is 1 with algorithm.norm_adv_by_std true: every "
-                "advantage would be 0 and nothing would be learned; set group_size >= 2"
+                f"algorithm.group_size is 1 with adv_estimator {self.adv_estimator}, whose baseline is the other "
+                f"samples of the prompt's group: with none, each sample's advantage is its raw score (as in verl); "
+                f"set group_size >= 2, or choose reinforce_plus_plus, which normalises over the whole batch"
             )
         if self.kl_type != KLType.none and self.kl_coef == 0:
             raise ValueError("algorithm.kl_type is set but algorithm.kl_coef is 0; set both or neither")

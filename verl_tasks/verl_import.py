@@ -38,6 +38,8 @@ VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": 256,
     "actor_rollout_ref.actor.ppo_epochs": 1,
     "actor_rollout_ref.actor.clip_ratio": 0.2,
+    "actor_rollout_ref.actor.clip_ratio_low": 0.2,
+    "actor_rollout_ref.actor.clip_ratio_high": 0.2,
     "actor_rollout_ref.actor.clip_ratio_c": 3.0,
     "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
     "actor_rollout_ref.actor.entropy_coeff": 0.0,
@@ -141,10 +143,11 @@ RULES: tuple[Rule, ...] = (
     Rule("actor_rollout_ref.actor.optim.betas", "algorithm.betas", "same"),
     Rule("actor_rollout_ref.actor.optim.clip_grad", "algorithm.grad_clip", "same"),
     Rule("actor_rollout_ref.actor.grad_clip", "algorithm.grad_clip", "same"),
-    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps", "algorithm.warmup_steps", "same; -1: "
+    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps", "algorithm.warmup_steps", "verl's training steps "
+         "times the optimizer steps of one (verl steps its scheduler once per training step); -1: "
          "lr_warmup_steps_ratio decides"),
     Rule("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "algorithm.warmup_steps", "times the run's "
-         "optimizer steps"),
+         "training steps, times the optimizer steps of one"),
     Rule("actor_rollout_ref.actor.optim.lr_scheduler_type", "algorithm.lr_schedule", "constant or cosine",
          _one_of(("constant", "cosine"), "lr_scheduler_type")),
     Rule("actor_rollout_ref.actor.optim.warmup_style", "algorithm.lr_schedule", "verl's older name of "
@@ -155,8 +158,8 @@ RULES: tuple[Rule, ...] = (
     Rule("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "resources.update.micro_batch_size", "same "
          "(sequences per forward/backward on each worker)"),
     Rule("actor_rollout_ref.actor.ppo_epochs", "algorithm.ppo_epochs", "same"),
-    Rule("actor_rollout_ref.actor.clip_ratio", "algorithm.clip_ratio_low", "both bounds, unless clip_ratio_low "
-         "/ clip_ratio_high say otherwise"),
+    Rule("actor_rollout_ref.actor.clip_ratio", "algorithm.clip_ratio_low", "a bound that clip_ratio_low or "
+         "clip_ratio_high leaves null; verl's own YAML sets both (0.2), so alone it changes nothing, as in verl"),
     Rule("actor_rollout_ref.actor.clip_ratio_low", "algorithm.clip_ratio_low", "same"),
     Rule("actor_rollout_ref.actor.clip_ratio_high", "algorithm.clip_ratio_high", "same (DAPO's clip-higher)"),
     Rule("actor_rollout_ref.actor.clip_ratio_c", "algorithm.clip_ratio_c", "same (dual clip)"),
@@ -221,9 +224,12 @@ NOT_NEEDED: tuple[tuple[str, str], ...] = (
 
 @dataclass
 class Imported:
-    """The experiment (nested, as its YAML) and every given key verl-tasks did not map, with why."""
+    """The experiment (nested, as its YAML) and every given key verl-tasks did not map, with why: ``refused``
+    asks for what verl-tasks cannot run (the experiment would train something else), ``unmapped`` has no
+    counterpart, ``not_needed`` is verl's own machinery."""
 
     experiment: dict[str, Any]
+    refused: dict[str, str] = field(default_factory=dict)
     unmapped: dict[str, str] = field(default_factory=dict)
     not_needed: dict[str, str] = field(default_factory=dict)
 
@@ -268,7 +274,9 @@ _REFERENCE = re.compile(r"^\$\{(?:oc\.select:)?([A-Za-z0-9_.]+)(?:,([^}]*))?\}$"
 
 
 def _resolve(flat: dict[str, Any]) -> dict[str, Any]:
-    """Resolve ``${a.b}`` and ``${oc.select:a.b,default}`` (what verl's YAML uses between its own keys)."""
+    """Resolve ``${a.b}`` and ``${oc.select:a.b,default}`` (what verl's YAML uses between its own keys). A
+    reference to a key nobody set, a relative one (``${.x}``), an interpolation function or a cycle stays as
+    written; :func:`import_verl` refuses it where a mapped key uses it."""
     resolved = dict(flat)
     for _ in range(5):  # references to references
         changed = False
@@ -276,7 +284,12 @@ def _resolve(flat: dict[str, Any]) -> dict[str, Any]:
             match = _REFERENCE.match(value) if isinstance(value, str) else None
             if match:
                 target, default = match.groups()
-                new = resolved.get(target, VERL_DEFAULTS.get(target, yaml.safe_load(default) if default else None))
+                if target in resolved or target in VERL_DEFAULTS:
+                    new = resolved.get(target, VERL_DEFAULTS.get(target))
+                elif default is not None:
+                    new = yaml.safe_load(default)
+                else:
+                    continue  # left as written: refused where it is used
                 if new != value:
                     resolved[key], changed = new, True
         if not changed:
@@ -324,11 +337,14 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
             result.not_needed[key] = reason
         elif rule is None and value is not None:
             result.unmapped[key] = "no counterpart in verl-tasks"
+        elif rule is not None and isinstance(value, str) and "${" in value:
+            raise ConfigError(f"{key}={value}: a reference import-verl cannot resolve (a key that is not set, a "
+                              f"relative reference, an interpolation function or a cycle); give the value itself")
         elif rule is not None and rule.target is None and rule.convert is not None:
             try:
                 rule.convert(value)
             except Unmappable as err:
-                result.unmapped[key] = str(err)
+                result.refused[key] = str(err)
 
     def take(key: str) -> Any:
         rule = next(r for r in RULES if r.matches(key))
@@ -338,8 +354,21 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
         try:
             return rule.convert(value)
         except Unmappable as err:
-            result.unmapped[key] = str(err)
+            result.refused[key] = str(err)
             return None
+
+    def number(key: str, kind: type = int, minimum: float | None = None) -> Any:
+        """``values[key]`` as ``kind``, or a ConfigError that names the key."""
+        value = values.get(key)
+        try:
+            if isinstance(value, bool) or isinstance(value, (list, dict)):
+                raise TypeError
+            converted = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected {'an integer' if kind is int else 'a number'}") from None
+        if minimum is not None and converted < minimum:
+            raise ConfigError(f"{key}={value!r}: must be at least {minimum}")
+        return converted
 
     def put(target: str, key: str, value: Any = ...) -> None:
         value = take(key) if value is ... else value
@@ -358,8 +387,8 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
                              ("data.max_prompt_length", "data.max_prompt_tokens")):
         put(target, verl_key)
 
-    n = int(values["actor_rollout_ref.rollout.n"])
-    prompts = int(values["data.train_batch_size"])
+    n = number("actor_rollout_ref.rollout.n", minimum=1)
+    prompts = number("data.train_batch_size", minimum=1)
     batches = next(b for b in (8, 4, 2, 1) if prompts % b == 0)
     _set(out, "rollout.batches_per_epoch", batches)
     _set(out, "rollout.prompts_per_batch", prompts // batches)
@@ -375,7 +404,7 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
 
     a = "actor_rollout_ref.actor."
     _set(out, "algorithm.group_size", n)
-    _set(out, "algorithm.minibatch_size", int(values[a + "ppo_mini_batch_size"]) * n)
+    _set(out, "algorithm.minibatch_size", number(a + "ppo_mini_batch_size", minimum=1) * n)
     for verl_key, target in (("algorithm.adv_estimator", "adv_estimator"), ("algorithm.gamma", "gamma"),
                              ("algorithm.lam", "lam"), ("algorithm.norm_adv_by_std_in_grpo", "norm_adv_by_std"),
                              (a + "optim.lr", "lr"), (a + "optim.weight_decay", "weight_decay"),
@@ -385,20 +414,22 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
                              (a + "policy_loss.loss_mode", "policy_loss"), (a + "entropy_coeff", "entropy_coef")):
         if verl_key in values:
             put(f"algorithm.{target}", verl_key)
-    grad_clip = values.get(a + "optim.clip_grad", values[a + "grad_clip"])
-    _set(out, "algorithm.grad_clip", float(grad_clip))
+    grad_clip = a + ("optim.clip_grad" if values.get(a + "optim.clip_grad") is not None else "grad_clip")
+    _set(out, "algorithm.grad_clip", number(grad_clip, float))
     put("algorithm.lr_schedule", a + ("optim.warmup_style" if values.get(a + "optim.warmup_style")
                                       else "optim.lr_scheduler_type"))
-    clip = float(values[a + "clip_ratio"])
-    _set(out, "algorithm.clip_ratio_low", float(values.get(a + "clip_ratio_low") or clip))
-    _set(out, "algorithm.clip_ratio_high", float(values.get(a + "clip_ratio_high") or clip))
+    # As verl's policy losses read them: clip_ratio only where a bound is left null.
+    for bound in ("low", "high"):
+        key = a + f"clip_ratio_{bound}"
+        left_null = key in given and given[key] is None
+        _set(out, f"algorithm.clip_ratio_{bound}", number(a + "clip_ratio" if left_null else key, float, minimum=0))
     if values[a + "use_kl_loss"]:
         put("algorithm.kl_type", a + "kl_loss_type")
-        _set(out, "algorithm.kl_coef", float(values[a + "kl_loss_coef"]))
+        _set(out, "algorithm.kl_coef", number(a + "kl_loss_coef", float, minimum=0))
     else:
         _set(out, "algorithm.kl_type", "none")
     if values.get(a + "ppo_micro_batch_size_per_gpu"):
-        _set(out, "resources.update.micro_batch_size", int(values[a + "ppo_micro_batch_size_per_gpu"]))
+        _set(out, "resources.update.micro_batch_size", number(a + "ppo_micro_batch_size_per_gpu", minimum=1))
     if values.get(a + "strategy"):
         if take(a + "strategy"):
             _set(out, "resources.update.strategy", "fsdp2")
@@ -413,19 +444,24 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
             result.unmapped["trainer.total_epochs"] = ("the training file cannot be read here to count its steps; "
                                                        "set trainer.total_training_steps (one epoch per step)")
         else:
-            steps = int(values["trainer.total_epochs"]) * max(1, rows // prompts)
+            steps = number("trainer.total_epochs", minimum=1) * max(1, rows // prompts)
+    else:
+        steps = number("trainer.total_training_steps", minimum=1)
     if steps is not None:
         _set(out, "epochs", int(steps))
+        # verl steps its scheduler once per training step (an epoch here); ours once per optimizer step.
+        steps_per_epoch = -(-prompts * n // out["algorithm"]["minibatch_size"]) * number(a + "ppo_epochs", minimum=1)
         warmup = values.get(a + "optim.lr_warmup_steps")
-        ratio = values.get(a + "optim.lr_warmup_steps_ratio") or 0.0
-        steps_per_epoch = -(-prompts * n // out["algorithm"]["minibatch_size"]) * int(values[a + "ppo_epochs"])
-        if warmup is not None and int(warmup) > 0:
-            _set(out, "algorithm.warmup_steps", int(warmup))
+        warmup = number(a + "optim.lr_warmup_steps") if warmup is not None else -1
+        ratio = values.get(a + "optim.lr_warmup_steps_ratio")
+        ratio = number(a + "optim.lr_warmup_steps_ratio", float, minimum=0) if ratio is not None else 0.0
+        if warmup > 0:
+            _set(out, "algorithm.warmup_steps", warmup * steps_per_epoch)
         elif ratio:
-            _set(out, "algorithm.warmup_steps", int(float(ratio) * int(steps) * steps_per_epoch))
+            _set(out, "algorithm.warmup_steps", int(ratio * steps) * steps_per_epoch)
     test_freq = values.get("trainer.test_freq")
     if test_freq is not None:
-        _set(out, "evaluate.every", max(0, int(test_freq)))
+        _set(out, "evaluate.every", max(0, number("trainer.test_freq")))
     return result
 
 
