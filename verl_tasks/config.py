@@ -278,7 +278,9 @@ class RolloutConfig(Strict):
 class OverlongBuffer(Strict):
     """DAPO's soft overlong punishment: a response longer than ``rollout.max_new_tokens - len`` tokens loses up
     to ``penalty_factor`` of its reward, linearly, reaching it at ``max_new_tokens`` (verl's
-    ``reward_model.overlong_buffer``)."""
+    ``reward_model.overlong_buffer``). ``rewards.min_score..max_score`` bounds what the reward function
+    returns; the penalty is added after that check, so a committed score may be down to
+    ``min_score - penalty_factor``."""
 
     enable: bool = False
     len: int = Field(0, ge=0, description="the buffer before rollout.max_new_tokens where the penalty grows")

@@ -30,8 +30,13 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
         ]
         with scoring_sandbox(cfg) as sandbox:
             result = sandbox.score(requests, cfg.default_score)
+        for i, value in enumerate(result.scores):  # a score out of range is a failed sample, never trained on
+            if not (math.isfinite(value) and cfg.min_score <= value <= cfg.max_score):
+                result.failures[requests[i]["id"]] = (f"score {value!r} outside rewards.min_score..max_score "
+                                                      f"[{cfg.min_score:g}, {cfg.max_score:g}]")
+                result.scores[i] = cfg.default_score
         buffer = cfg.overlong_buffer
-        if buffer.enable:  # DAPO's soft overlong punishment, added to what the function returned
+        if buffer.enable:  # DAPO's soft overlong punishment, added to what the function returned (in range)
             import torch
 
             from verl_tasks.algos import overlong_penalty
@@ -42,11 +47,6 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
             result.scores = [value + penalty if sid not in result.failures else value
                              for value, penalty, sid in zip(result.scores, penalties, (r["id"] for r in requests),
                                                             strict=True)]
-        for i, value in enumerate(result.scores):  # a score out of range is a failed sample, never trained on
-            if not (math.isfinite(value) and cfg.min_score <= value <= cfg.max_score):
-                result.failures[requests[i]["id"]] = (f"score {value!r} outside rewards.min_score..max_score "
-                                                      f"[{cfg.min_score:g}, {cfg.max_score:g}]")
-                result.scores[i] = cfg.default_score
         fraction = len(result.failures) / max(1, len(samples))
         if fraction > cfg.max_failure_fraction:
             examples = "; ".join(f"{k}: {v}" for k, v in list(result.failures.items())[:3])

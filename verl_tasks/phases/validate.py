@@ -87,7 +87,9 @@ def validate(ctx: PhaseContext, epoch: int) -> CommitRecord:
             rows_per_epoch=len(rows) * cfg.rollout.prompts_per_batch * cfg.algorithm.group_size,
             max_prompt_tokens=cfg.data.max_prompt_tokens,
             max_response_tokens=cfg.rollout.max_new_tokens,
-            min_score=cfg.rewards.min_score,
+            # The range bounds what the reward function returns; DAPO's overlong penalty comes after it.
+            min_score=cfg.rewards.min_score - (cfg.rewards.overlong_buffer.penalty_factor
+                                               if cfg.rewards.overlong_buffer.enable else 0.0),
             max_score=cfg.rewards.max_score,
             min_nonempty_fraction=cfg.quality.min_nonempty_response_fraction,
         )
