@@ -58,10 +58,12 @@ def estimator(name: str) -> Estimator:
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + 1e-8)`` with the mean and the unbiased variance over the masked elements."""
+    """``(x - mean) / sqrt(var + 1e-8)`` with the mean and the unbiased variance over the masked elements.
+    Fewer than two masked elements (a batch of empty answers) have no variance: zeros, no learning signal,
+    where verl's formula would divide by zero."""
     count = mask.sum()
     if count < 2:
-        raise ConfigError("whitening advantages needs at least two response tokens in the batch")
+        return torch.zeros_like(values)
     mean = (values * mask).sum() / (count + 1e-8)
     variance = ((values - mean).square() * mask).sum() / (count + 1e-8) * (count / (count - 1))
     return (values - mean) * torch.rsqrt(variance + 1e-8)
