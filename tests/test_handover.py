@@ -4,6 +4,7 @@ them over under the committed checksum, else the store, which it reads for weigh
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -93,3 +94,32 @@ def test_readers_download_weights_and_configs_only_and_keep_a_few_versions(tiny_
     assert len(list(folder.parent.iterdir())) == common.POLICY_CACHE_KEEP
     folder, _ = common.policy_folder(ctx, 1, optimizer=True)  # what the update reads
     assert {n for n in record.files if n.startswith("optimizer.")} <= {p.name for p in folder.iterdir()}
+
+
+def test_handed_over_folders_in_use_or_recent_are_never_pruned(tmp_path, monkeypatch):
+    """Past the newest ``HANDOVER_KEEP``, only a folder unused for ``HANDOVER_MIN_AGE_S`` is pruned: one that
+    a reader found again (``local_folder``) counts as new, so an engine of another experiment on this node
+    never loses the folder it loads from."""
+    from verl_tasks import local_cache
+
+    monkeypatch.setattr(local_cache, "CACHE_DIR", tmp_path / "cache")
+    named = unique_state(_model())
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "config.json").write_text("{}")
+    old = time.time() - handover.HANDOVER_MIN_AGE_S - 60
+    records = []
+    for version in range(3):  # three older versions, all past the age
+        tensors = {name: tensor + version for name, tensor in named}
+        sha = write_tensors(tmp_path / f"w{version}", list(tensors.items()), {"format": "pt"}).sha256
+        records.append(_record(sha))
+        assert handover.materialize(tensors, records[-1], configs) is not None  # recent: none pruned yet
+    for version, record in enumerate(records):
+        os.utime(tmp_path / "cache" / "handover" / record.files[WEIGHTS].sha256, (old + version, old + version))
+    assert handover.local_folder(records[0]) is not None  # version 0 read again: now the newest
+    tensors = {name: tensor + 9 for name, tensor in named}
+    newest = _record(write_tensors(tmp_path / "w9", list(tensors.items()), {"format": "pt"}).sha256)
+    assert handover.materialize(tensors, newest, configs) is not None
+    kept = {r.files[WEIGHTS].sha256 for r in records if handover.local_folder(r) is not None}
+    assert kept == {records[0].files[WEIGHTS].sha256}, kept  # 1 and 2 were the oldest, unused and aged
+    assert not [p for p in (tmp_path / "cache" / "handover").iterdir() if p.name.startswith(".pruned-")]

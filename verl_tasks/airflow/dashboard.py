@@ -534,13 +534,13 @@ def _prompts(store: ObjectStore, layout: Layout) -> dict[Any, Any]:
     """Prompt id -> prompt of the committed train data; what cannot be read shows the ids instead."""
     from verl_tasks.store.units import read_jsonl
 
-    data = read_marker(store, layout.data("train"))
     try:
+        data = read_marker(store, layout.data("train"))
         rows = read_jsonl(store, data, "prompts.jsonl") if data else []
-    except (StoreError, NotFound, ValueError) as err:
+    except (StoreError, NotFound, ValueError) as err:  # IntegrityError is a StoreError
         log.warning("prompts of %s not shown: %s", layout.data("train"), err)
         return {}
-    return {row.get("id"): row.get("prompt") for row in rows if isinstance(row, dict)}
+    return {row.get("id"): row["prompt"] for row in rows if isinstance(row, dict) and row.get("prompt") is not None}
 
 
 def filter_events(events: list[dict[str, Any]], epoch: int | None, phase: str | None,

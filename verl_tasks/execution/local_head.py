@@ -426,6 +426,7 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     _gcs_listening(info, timeout_s)
     client = None
+    last_error: Exception | None = None
     while time.monotonic() < deadline:
         if not _alive(info):
             raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
@@ -433,6 +434,7 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
             client = client or GcsClient(address=info.gcs_address)
             nodes = client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values()
         except RpcError as err:  # a GCS still starting, or slow on a busy machine: asked again until the deadline
+            last_error = err
             log.debug("ray head at %s not answering yet: %s", info.gcs_address, err)
             time.sleep(0.5)
             continue
@@ -443,7 +445,8 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
                      offered.get("GPU", 0))
             return offered
         time.sleep(0.1)
-    raise TimeoutError(f"ray head at {info.gcs_address} has no live node after {timeout_s}s; see {info.log_file}")
+    raise TimeoutError(f"ray head at {info.gcs_address} has no live node after {timeout_s}s"
+                       f"{f' (last answer: {last_error})' if last_error else ''}; see {info.log_file}")
 
 
 def stop(state_dir: Path, timeout_s: float = 30) -> bool:

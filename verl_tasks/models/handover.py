@@ -18,10 +18,12 @@ it was written under is not the one the committed record lists. The store stays 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import tempfile
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,7 +138,13 @@ def local_folder(record: CommitRecord) -> Path | None:
     from verl_tasks.store.conventions import WEIGHTS
 
     folder = _handover_root() / record.files[WEIGHTS].sha256
-    return folder if (folder / WEIGHTS).is_file() else None
+    if not (folder / WEIGHTS).is_file():
+        return None
+    try:
+        os.utime(folder)  # in use again: the newest for pruning
+    except FileNotFoundError:  # pruned in between
+        return None
+    return folder
 
 
 def materialize(tensors: dict[str, torch.Tensor], record: CommitRecord, configs: Path) -> Path | None:
@@ -176,7 +184,12 @@ def materialize(tensors: dict[str, torch.Tensor], record: CommitRecord, configs:
             continue
     for stale in sorted(made, key=made.__getitem__, reverse=True)[HANDOVER_KEEP:]:
         if time.time() - made[stale] > HANDOVER_MIN_AGE_S:
-            shutil.rmtree(stale, ignore_errors=True)
+            doomed = root / f".pruned-{stale.name}-{uuid.uuid4().hex[:8]}"
+            try:  # renamed first: no reader ever finds a half-deleted folder under its checksum
+                stale.rename(doomed)
+            except OSError:
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
     return local_folder(record)
 
 

@@ -89,9 +89,9 @@ def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
     from verl_tasks.models import tiny as tiny_mod
     from verl_tasks.models.tiny import build_tokenizer, warm_start
 
-    # The code that builds the warm start is part of the key: a cache made by another version of it is not
-    # the model this version would build.
-    builder = hashlib.sha256(Path(tiny_mod.__file__).read_bytes()).hexdigest()
+    # The code that builds the warm start (the model and the arithmetic it is warmed on) is part of the key: a
+    # cache made by another version of it is not the model this version would build.
+    builder = hashlib.sha256(b"".join(Path(str(m.__file__)).read_bytes() for m in (tiny_mod, data_mod))).hexdigest()
     key = json.dumps({"tiny": cfg.model.tiny.model_dump(), "seed": cfg.seed, "threads": cfg.torch_threads,
                       "builder": builder}, sort_keys=True)
     cache = CACHE_DIR / "warm-start" / hashlib.sha256(key.encode()).hexdigest()[:20]
