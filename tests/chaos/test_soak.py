@@ -1,7 +1,8 @@
 """A shortened soak (benchmarks/soak.py runs the long one): 30 epochs of the tiny experiment on Ray pools with
 three faults (a rollout worker SIGKILLed mid-batch, a unit failing once, a store write failing once) ends with
 the weights of a fault-free run, and the resident pool worker's memory, open files and threads after the last
-epoch are within 10% of their values after epoch 10 (the first third is warm-up)."""
+epoch have grown by at most 10% (or a few units: one reading each, and a shrink is fine) over their values
+after epoch 10 (the first third is warm-up)."""
 from __future__ import annotations
 
 import pytest
@@ -32,6 +33,7 @@ def test_thirty_epochs_with_three_faults_end_on_the_fault_free_weights_without_g
     assert len(result["fired"]) + len(result["killed"]) >= 3, result  # every planned fault went off
     assert result["same_weights"], (result["soak_sha"], result["reference_sha"])
     grown = growth(result)
-    assert grown["from_epoch"] == min(WARM_EPOCH, EPOCHS // 3) and grown["to_epoch"] == EPOCHS - 1, grown
-    for key in ("rss_mib", "fds", "threads"):
-        assert 0.9 <= grown[key]["ratio"] <= 1.1, (key, grown[key])
+    # A measure that is slow to answer skips its epoch: the ends are the nearest epochs measured.
+    assert grown["from_epoch"] >= min(WARM_EPOCH, EPOCHS // 3) and grown["to_epoch"] >= EPOCHS - 3, grown
+    for key, slack in (("rss_mib", 32), ("fds", 8), ("threads", 4)):
+        assert grown[key]["end"] <= max(1.1 * grown[key]["at"], grown[key]["at"] + slack), (key, grown[key])
