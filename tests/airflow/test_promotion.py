@@ -146,7 +146,8 @@ def test_the_shipped_scheduled_retrain_keeps_what_tiny_arith_learned_and_is_prom
     report = curve_markdown(shown)
     assert f"| tiny-arith snapshot {parent.config.epochs} (parent) |" in report, report
     assert curve[-1] >= curve[0] and curve[-1] >= parent_final, (parent_final, curve, report)
-    assert min(curve[1:]) >= curve[0] - 0.02, report  # it holds on the way: no dip past 4 of 200 prompts
+    # It holds on the way: no dip as deep as evaluate.regression_margin, where status would warn.
+    assert min(curve[1:]) > curve[0] - child_cfg.evaluate.regression_margin, report
 
     assert run["tasks"]["promote"] == "success", run
     events = {e["asset"]: e["extra"] for e in run["events"]}

@@ -124,8 +124,14 @@ def engine_processes() -> list[int]:
     return found
 
 
+# config.json fields that do not change what an engine holds: the engine's dtype is an option of its own, and a
+# policy saved after loading in a dtype records it where the base policy's config may not.
+NOT_ARCHITECTURE = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+
+
 def _architecture(folder: Path) -> str:
-    return json.dumps(json.loads((Path(folder) / "config.json").read_text()), sort_keys=True)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return json.dumps({k: v for k, v in config.items() if k not in NOT_ARCHITECTURE}, sort_keys=True)
 
 
 def engine_for(folder: Path, options: Any, on_engine: Callable[[str], None] | None = None) -> Any:
