@@ -36,8 +36,7 @@ def context(store: Path, workers: int, epochs: int):
 
     return make_context(load_config(CONFIG, {
         "experiment": f"bench-smollm2-w{workers}", "storage.uri": f"file://{store}", "epochs": epochs,
-        "model.name_or_path": str(MODEL), "evaluate.every": 0, "resources.update.workers": workers,
-        "resources.update.micro_batch_size": None}))
+        "model.name_or_path": str(MODEL), "evaluate.every": 0, "resources.update.workers": workers}))
 
 
 def update_split(ctx, epochs: range) -> dict[str, float]:
