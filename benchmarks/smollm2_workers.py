@@ -89,7 +89,8 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d', time.gmtime())}: `dags/experiments/smollm2_arith.yaml` without evaluation, "
         f"{args.repeats} epochs per side after an untimed first one, alternating in one process; medians. "
         "Same work on both sides (16 chat prompts x 4 samples, HF generate, one AdamW step over the 64 "
-        "sequences in one forward and backward per worker share); only `resources.update.workers` differs.",
+        "sequences in the YAML's micro-batches of 16, each worker taking its half); only "
+        "`resources.update.workers` differs.",
         "",
         "| update on | seconds per epoch (median) | each epoch | update unit (s) | load / train / write (s) "
         "| epochs trained on the resident policy |",
