@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -31,6 +32,13 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` of a child a test stops with SIGINT, as Ctrl-C in a terminal would: a shell that started
+    pytest in the background leaves SIGINT ignored, an ignored signal stays ignored across exec, and bash
+    cannot even trap it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 @pytest.fixture(scope="session")
 def moto_endpoint():

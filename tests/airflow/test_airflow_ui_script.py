@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from tests.airflow.e2e_support import free_port, wait_for
+from tests.conftest import default_sigint
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_WITHIN_S = 120  # a liveness bound on a loaded machine; the stop takes seconds
@@ -50,7 +51,7 @@ def test_a_signal_stops_standalone_and_the_ray_head(tmp_path, how):
     log = open(tmp_path / "ui.log", "wb")
     command = ["make", "--no-print-directory", "airflow"] if how.endswith("-to-make") else \
         ["bash", str(REPO / "scripts" / "airflow_ui.sh")]
-    proc = subprocess.Popen(command, env=env, stdout=log,
+    proc = subprocess.Popen(command, env=env, stdout=log, preexec_fn=default_sigint,
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     log.close()
     seen: dict[int, str] = {}
