@@ -1,5 +1,5 @@
 """Training learns: the shipped tiny experiment, 8 epochs, ends at least 15 points of held-out
-accuracy above its base, on the HF engine inline (with GRPO's and RLOO's advantages) and on vLLM on the
+accuracy above its base, on the HF engine inline (with GRPO's, RLOO's and PPO's GAE advantages) and on vLLM on the
 Ray worker pools.
 
 A change that breaks learning while staying deterministic fails here, not only in a demo.
@@ -22,13 +22,15 @@ def gain(status: dict) -> tuple[float, float]:
     return status["base"]["metrics"]["eval_accuracy"], status["epochs"][-1]["metrics"]["eval_accuracy"]
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "gae"])
 def test_the_tiny_experiment_learns_inline(tmp_path, estimator):
+    """gae: PPO, its advantages from a critic trained beside the policy (the critic phase)."""
     from verl_tasks.config import load_config
     from verl_tasks.runner import make_context, train
 
+    critic = {"critic": {"lr": 1e-4}} if estimator == "gae" else {}
     ctx = make_context(load_config(TINY_YAML, {"storage.uri": f"file://{tmp_path}/store",
-                                               "algorithm.adv_estimator": estimator}))
+                                               "algorithm.adv_estimator": estimator, **critic}))
     base, final = gain(train(ctx, ctx.config.epochs))
     assert final >= base + GAIN, f"held-out accuracy {base:.3f} -> {final:.3f}"
 

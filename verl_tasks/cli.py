@@ -326,13 +326,12 @@ WIDE_STATUS = 120
 def _status_table(result: dict, wide: bool) -> Table:
     """One row per epoch: a column per phase on a wide console; else the states written out in one cell,
     ``all committed`` for a finished epoch, so no cell is cut at 80 columns."""
-    from verl_tasks.phase_registry import PHASE_NAMES
     from verl_tasks.status import NOT_PLANNED
 
     table = Table(title=f"{result['experiment']} @ {result['store']}")
     table.add_column("epoch", justify="right")
     if wide:
-        for phase in PHASE_NAMES:
+        for phase in result["phases"]:
             table.add_column(phase)
     else:
         table.add_column("phases", overflow="fold")

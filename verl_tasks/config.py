@@ -194,8 +194,8 @@ class AlgorithmConfig(Strict):
     name: Literal["grpo"] = "grpo"
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"] = \
         Field("grpo", description="verl's algorithm.adv_estimator: grpo (Dr. GRPO with norm_adv_by_std: false), "
-                                  "rloo, reinforce_plus_plus, reinforce_plus_plus_baseline; remax and gae are refused "
-                                  "until their greedy baselines and critic are built")
+                                  "rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO: needs the "
+                                  "critic section); remax is refused until its greedy baselines are built")
     policy_loss: Literal["vanilla", "gspo"] = Field(
         "vanilla", description="verl's actor.policy_loss.loss_mode: vanilla (clipped, dual clip; DAPO's clip-higher "
                                "with clip_ratio_high > clip_ratio_low) or gspo (sequence-level ratio)")
@@ -235,12 +235,10 @@ class AlgorithmConfig(Strict):
 
     @model_validator(mode="after")
     def _estimator_is_built(self) -> AlgorithmConfig:
-        missing = {"gae": "a critic (a value model with its own update and snapshots)",
-                   "remax": "the greedy baseline answer of each prompt, rolled out and scored with the batch"}
-        if self.adv_estimator in missing:
-            raise ValueError(f"algorithm.adv_estimator {self.adv_estimator!r} needs {missing[self.adv_estimator]}, "
-                             f"which verl-tasks does not build yet; use grpo, rloo, reinforce_plus_plus or "
-                             f"reinforce_plus_plus_baseline")
+        if self.adv_estimator == "remax":
+            raise ValueError("algorithm.adv_estimator 'remax' needs the greedy baseline answer of each prompt, rolled "
+                             "out and scored with the batch, which verl-tasks does not build yet; use grpo, rloo, "
+                             "reinforce_plus_plus, reinforce_plus_plus_baseline or gae (with a critic section)")
         return self
 
     @model_validator(mode="after")
@@ -254,6 +252,26 @@ class AlgorithmConfig(Strict):
         if self.kl_type != KLType.none and self.kl_coef == 0:
             raise ValueError("algorithm.kl_type is set but algorithm.kl_coef is 0; set both or neither")
         return self
+
+
+class CriticConfig(Strict):
+    """PPO's value model (verl's ``critic``), used by ``algorithm.adv_estimator: gae``: a scalar value head on a
+    pretrained decoder, trained each epoch by the ``critic`` phase on the epoch's samples (verl's clipped value
+    loss) with its own AdamW state, before the policy update; its weights and optimizer state are committed
+    with every snapshot (``critic.*`` files) and resumed from them. It takes the policy's minibatches and
+    PPO epochs (``algorithm.minibatch_size``, ``algorithm.ppo_epochs``), as verl's critic does by default."""
+
+    name_or_path: str | None = Field(
+        None, description="the value model's backbone: None, the policy's base (snapshot 0: a fork's critic comes "
+                          "from its parent's snapshot); else an HF model name or folder with the policy's "
+                          "tokenizer (model.source: hf)")
+    lr: float = Field(1e-5, gt=0, description="the critic's constant learning rate (verl critic.optim.lr)")
+    cliprange_value: float = Field(0.5, gt=0, description="how far a value may move from the epoch's old values "
+                                                          "before its loss is clipped (verl critic.cliprange_value)")
+    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    loss_agg_mode: LossAgg = LossAgg.token_mean
 
 
 class RolloutConfig(Strict):
@@ -549,6 +567,8 @@ class ExperimentConfig(Strict):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     rollout: RolloutConfig = RolloutConfig()
     rewards: RewardsConfig = RewardsConfig()
+    critic: CriticConfig | None = Field(None, description="PPO's value model; required by, and only used with, "
+                                                          "algorithm.adv_estimator: gae")
     evaluate: EvaluateConfig = EvaluateConfig()
     quality: QualityConfig = QualityConfig()
     storage: StorageConfig = StorageConfig()
@@ -576,10 +596,14 @@ class ExperimentConfig(Strict):
                 raise ValueError(f"resources has unknown phase {phase!r}; use {PHASES}")
             res = value[phase]  # a dumped config sends the defaults back: only a non-default value is wrong
             update_only = (res.strategy != UpdateStrategy.ddp or res.cpu_offload
-                           or res.mixed_precision != MixedPrecision.none or res.micro_batch_size is not None)
-            if phase != "update" and update_only:
+                           or res.mixed_precision != MixedPrecision.none)
+            if phase != "update" and (update_only or (res.micro_batch_size is not None and phase != "critic")):
                 raise ValueError(f"resources.{phase}: strategy, cpu_offload and mixed_precision are the update's, "
-                                 f"and so is micro_batch_size; remove them from resources.{phase}")
+                                 f"and so is micro_batch_size (the critic's too); remove them from resources.{phase}")
+            if phase == "critic" and res.workers > 1:
+                raise ValueError(f"resources.critic.workers is {res.workers}: the critic trains in one process (one "
+                                 f"GPU); set workers: 1 and lower resources.critic.micro_batch_size if it runs out "
+                                 f"of memory")
         return value
 
     @model_validator(mode="after")
@@ -596,6 +620,21 @@ class ExperimentConfig(Strict):
                 raise ValueError(f"rollout.tensor_parallel_size={tp} shards each engine over {tp} GPUs, but "
                                  f"resources.{phase}.num_gpus={gpus:g}; set resources.{phase}.num_gpus: {tp} (GPUs "
                                  f"per {phase} worker)")
+        return self
+
+    @model_validator(mode="after")
+    def _critic_with_gae(self) -> ExperimentConfig:
+        gae = self.algorithm.adv_estimator == "gae"
+        if gae and self.critic is None:
+            raise ValueError("algorithm.adv_estimator 'gae' computes advantages from a critic's values: add a critic "
+                             "section (critic: {lr: 1e-5} trains a value head on the policy's base model)")
+        if self.critic is not None and not gae:
+            raise ValueError(f"a critic section is set but algorithm.adv_estimator is "
+                             f"{self.algorithm.adv_estimator!r}, which reads no values; set adv_estimator: gae, "
+                             f"or remove the critic section")
+        if self.critic is not None and self.critic.name_or_path is not None and self.model.source != "hf":
+            raise ValueError("critic.name_or_path names an HF model, but model.source is tiny (its tokenizer is the "
+                             "built-in one); remove critic.name_or_path to put the value head on the policy's base")
         return self
 
     @model_validator(mode="after")
@@ -677,7 +716,10 @@ class ExperimentConfig(Strict):
             section, key = dotted.split(".")
             if dumped[section].get(key) == default:
                 del dumped[section][key]
-        return {key: dumped[key] for key in HASHED_SECTIONS}
+        hashed = {key: dumped[key] for key in HASHED_SECTIONS}
+        if self.critic is not None:  # absent, not null, without one: experiments pinned before it resume
+            hashed["critic"] = dumped["critic"]
+        return hashed
 
     def config_hash(self) -> str:
         blob = json.dumps(self.hashed_view(), sort_keys=True, separators=(",", ":"))

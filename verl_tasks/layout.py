@@ -9,9 +9,10 @@
     <experiment>/epochs/00003/rollout/b0007/     samples.jsonl
     <experiment>/epochs/00003/score/b0007/       scores.jsonl
     <experiment>/epochs/00003/validate/          report.json
+    <experiment>/epochs/00003/critic/            PPO only: GAE advantages, critic version 4 (critic.* files)
     <experiment>/epochs/00003/update/            model + optimizer safetensors, metrics.json
     <experiment>/epochs/00003/evaluate/          accuracy of policy version 4
-    <experiment>/snapshots/00004/                HF-loadable folder + optimizer + trainer_state.json
+    <experiment>/snapshots/00004/                HF-loadable folder + optimizer + trainer_state.json (+ critic.*)
     <experiment>/snapshots/latest.json           pointer to the newest committed snapshot
     <experiment>/snapshots/best.json             the best snapshot by storage.keep_best_by (when set)
     <experiment>/snapshots/retention.json        retention's watermark: versions it need not look at again
@@ -79,6 +80,9 @@ class Layout:
 
     def validate(self, epoch: int) -> str:
         return f"{self.epoch(epoch)}/validate"
+
+    def critic(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/critic"
 
     def update(self, epoch: int) -> str:
         return f"{self.epoch(epoch)}/update"

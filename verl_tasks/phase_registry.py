@@ -26,6 +26,7 @@ class PhaseSpec:
         function: ``module:function`` of the phase, ``fn(ctx, epoch[, batch]) -> CommitRecord``.
         inputs: phases whose committed units this phase reads (documentation and DAG shape).
         doc: one sentence for the DAG's task docs.
+        only_with: a config section that must be set for the phase to exist (``critic``); None: always.
     """
 
     name: str
@@ -33,6 +34,11 @@ class PhaseSpec:
     function: str
     inputs: tuple[str, ...]
     doc: str
+    only_with: str | None = None
+
+    def applies(self, config: Any) -> bool:
+        """Whether an experiment of ``config`` runs this phase."""
+        return self.only_with is None or getattr(config, self.only_with) is not None
 
     def unit(self, layout: Layout, epoch: int, batch: int | None = None) -> str:
         """The storage key of this phase's unit for ``epoch`` (and ``batch`` when batched)."""
@@ -56,8 +62,8 @@ class PhaseSpec:
         return fn(ctx, epoch, batch) if self.batched else fn(ctx, epoch)
 
 
-def _spec(name: str, batched: bool, inputs: tuple[str, ...], doc: str) -> PhaseSpec:
-    return PhaseSpec(name, batched, f"verl_tasks.phases.{name}:{name}", inputs, doc)
+def _spec(name: str, batched: bool, inputs: tuple[str, ...], doc: str, only_with: str | None = None) -> PhaseSpec:
+    return PhaseSpec(name, batched, f"verl_tasks.phases.{name}:{name}", inputs, doc, only_with)
 
 
 PHASES: dict[str, PhaseSpec] = {
@@ -74,7 +80,11 @@ PHASES: dict[str, PhaseSpec] = {
               "sandbox)."),
         _spec("validate", False, ("score",),
               "Great Expectations gate on the epoch's scored samples; writes `validate/report.json` or fails."),
-        _spec("update", False, ("validate",),
+        _spec("critic", False, ("validate",),
+              "PPO only (a critic section): the critic's values of the epoch's samples, their GAE advantages and "
+              "returns, and the critic's clipped value-loss update; writes the advantages and critic version "
+              "epoch+1 (weights, optimizer state).", only_with="critic"),
+        _spec("update", False, ("validate", "critic"),
               "GRPO/PPO-clipped update of the policy on the epoch's samples; writes new weights, optimizer state "
               "and metrics."),
         _spec("snapshot", False, ("update",),
@@ -84,6 +94,12 @@ PHASES: dict[str, PhaseSpec] = {
     )
 }
 PHASE_NAMES: tuple[str, ...] = tuple(PHASES)
+
+
+def phases_for(config: Any) -> dict[str, PhaseSpec]:
+    """The phases an experiment of ``config`` runs, in execution order (without a critic: no ``critic``)."""
+    return {name: spec for name, spec in PHASES.items() if spec.applies(config)}
+
 BATCHED: tuple[str, ...] = tuple(name for name, spec in PHASES.items() if spec.batched)
 
 
@@ -97,4 +113,4 @@ def phase(name: str) -> PhaseSpec:
         raise ConfigError(f"unknown phase {name!r}; use one of {', '.join(PHASE_NAMES)}") from None
 
 
-__all__ = ["PhaseSpec", "PHASES", "PHASE_NAMES", "BATCHED", "phase"]
+__all__ = ["PhaseSpec", "PHASES", "PHASE_NAMES", "BATCHED", "phase", "phases_for"]

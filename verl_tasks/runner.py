@@ -16,8 +16,8 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.execution.deadline import unit_deadline
 from verl_tasks.execution.heap import freeze_after_imports
 from verl_tasks.execution.outcome import LEAVE_OUT, RAISE, after_failure, next_step_text
-from verl_tasks.phase_registry import PHASES
 from verl_tasks.phase_registry import phase as phase_spec
+from verl_tasks.phase_registry import phases_for
 from verl_tasks.phases import PhaseContext
 from verl_tasks.status import epoch_done, status
 from verl_tasks.store import store_for
@@ -40,7 +40,7 @@ def run_phase(ctx: PhaseContext, phase: str, epoch: int, batch: int | None = Non
 def epoch_phases(ctx: PhaseContext, epoch: int, total_epochs: int) -> list[tuple[str, list[int | None]]]:
     """Each phase of one epoch in execution order, with its units' batch indices ([None] if not batched)."""
     batches: list[int | None] = list(range(ctx.config.rollout.batches_per_epoch))
-    return [(name, batches if spec.batched else [None]) for name, spec in PHASES.items()
+    return [(name, batches if spec.batched else [None]) for name, spec in phases_for(ctx.config).items()
             if name != "evaluate" or ctx.config.should_evaluate(epoch, total_epochs)]
 
 

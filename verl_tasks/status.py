@@ -16,7 +16,7 @@ from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import IntegrityError, StoreError
 from verl_tasks.layout import Layout
 from verl_tasks.ops.safe_mode import read_safe_mode
-from verl_tasks.phase_registry import PHASES
+from verl_tasks.phase_registry import phases_for
 from verl_tasks.store.base import ObjectStore
 from verl_tasks.store.conventions import quarantine_records, read_best, read_latest, read_skipped
 from verl_tasks.store.units import MARKER, PRUNED, is_committed, read_marker
@@ -40,13 +40,13 @@ def epoch_units(config: ExperimentConfig, layout: Layout, epoch: int) -> dict[st
     """Each phase's unit keys in ``epoch`` (one per batch for the batched phases), in execution order."""
     batches = range(config.rollout.batches_per_epoch)
     return {name: [spec.unit(layout, epoch, b) for b in batches] if spec.batched else [spec.unit(layout, epoch)]
-            for name, spec in PHASES.items()}
+            for name, spec in phases_for(config).items()}
 
 
 def phase_state(phase: str, units: list[str], keys: set[str]) -> str:
     """``committed``, ``absent``, ``K/N committed``, or ``pruned`` (retention deleted the weights; not corrupt)."""
     done = sum(f"{unit}/{MARKER}" in keys for unit in units)
-    if phase in ("snapshot", "update") and done and f"{units[0]}/{PRUNED}" in keys:
+    if phase in ("snapshot", "update", "critic") and done and f"{units[0]}/{PRUNED}" in keys:
         return "pruned"
     if done == len(units):
         return "committed"
@@ -85,7 +85,8 @@ def status(config: ExperimentConfig, store: ObjectStore, events: list[dict[str, 
     ``events``: the event log, when the caller read it already (it is then not listed again).
 
     Returns:
-        ``experiment``, ``store`` (URI), ``epochs`` (rows with ``epoch``, ``phases``: phase -> state,
+        ``experiment``, ``phases`` (the experiment's, in order), ``store`` (URI), ``epochs`` (rows with
+        ``epoch``, ``phases``: phase -> state,
         ``metrics``, ``skipped_batches`` when the epoch went on without some), ``latest_snapshot``,
         ``best_snapshot`` (``best.json`` with ``storage.keep_best_by``, else None), ``base`` (``metrics``,
         and ``parent``: ``{"experiment", "version", ...}`` of the snapshot a fork or a scheduled child
@@ -108,12 +109,16 @@ def status(config: ExperimentConfig, store: ObjectStore, events: list[dict[str, 
     for row in rows:
         if row["phases"]["update"] in ("committed", "pruned"):
             wanted.append(layout.update(row["epoch"]))
+        if row["phases"].get("critic") in ("committed", "pruned"):
+            wanted.append(layout.critic(row["epoch"]))
         if row["phases"]["evaluate"] == "committed":
             wanted.append(layout.evaluate(row["epoch"]))
     metrics = marker_metrics(store, wanted)
     for row in rows:
         update = metrics.get(layout.update(row["epoch"]), {})
         row["metrics"].update({k: update[k] for k in UPDATE_METRICS if k in update})
+        row["metrics"].update({k: v for k, v in metrics.get(layout.critic(row["epoch"]), {}).items()
+                               if k.startswith("critic/")})
         row["metrics"].update({k: v for k, v in metrics.get(layout.evaluate(row["epoch"]), {}).items()
                                if k.startswith("eval_")})
     base_metrics = metrics.get(layout.base_evaluate, {})
@@ -125,6 +130,7 @@ def status(config: ExperimentConfig, store: ObjectStore, events: list[dict[str, 
     quarantined = quarantine_records(store, keys | prelude)
     return {
         "experiment": config.experiment,
+        "phases": list(phases_for(config)),
         "quarantined": quarantined,
         "warnings": [
             f"{q['unit']} was quarantined ({q['reason']})"

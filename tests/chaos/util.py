@@ -57,6 +57,8 @@ def assert_exactly_once(store: ObjectStore, layout: Layout, cfg) -> None:
     expected = []
     for epoch in range(cfg.epochs):
         expected += [layout.plan(epoch), layout.validate(epoch), layout.update(epoch), layout.snapshot(epoch + 1)]
+        if cfg.critic is not None:
+            expected.append(layout.critic(epoch))
         for b in range(cfg.rollout.batches_per_epoch):
             expected += [layout.rollout(epoch, b), layout.score(epoch, b)]
     have = markers(store, layout)

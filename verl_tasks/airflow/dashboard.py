@@ -37,7 +37,7 @@ from verl_tasks.config import ExperimentConfig, check_name
 from verl_tasks.errors import ConfigError, StoreError
 from verl_tasks.layout import Layout
 from verl_tasks.ownership import read_record
-from verl_tasks.phase_registry import BATCHED, PHASE_NAMES, PHASES
+from verl_tasks.phase_registry import BATCHED, PHASE_NAMES, PHASES, phases_for
 from verl_tasks.store.base import NotFound, ObjectStore
 from verl_tasks.store.units import MARKER, read_marker
 
@@ -236,14 +236,13 @@ def _grid(cfg: ExperimentConfig, store: ObjectStore, rows: list[dict[str, Any]],
     tried = {c.epoch for c in stats.values() if (c.failures or c.running or c.refused) and c.epoch is not None
              and 0 <= c.epoch < cfg.epochs and c.epoch not in known}
     if tried:
-        rows = sorted(rows + [{"epoch": e, "phases": dict.fromkeys(PHASE_NAMES, "absent"), "metrics": {}}
+        rows = sorted(rows + [{"epoch": e, "phases": dict.fromkeys(phases_for(cfg), "absent"), "metrics": {}}
                               for e in tried], key=lambda row: row["epoch"])
     out = []
     for row in rows:
         epoch_row = EpochRow(row["epoch"], row["phases"], row["metrics"])
         skipped = set(row.get("skipped_batches") or ())
-        for phase in PHASE_NAMES:
-            state = row["phases"][phase]
+        for phase, state in row["phases"].items():
             if phase in BATCHED:
                 states = (_batch_states(store, layout, row["epoch"], phase, batches) if "/" in state
                           else [state] * batches)
@@ -571,7 +570,7 @@ def experiment_view(cfg: ExperimentConfig, store: ObjectStore, *, epoch: int | N
         "status": st,
         "grid": _grid(cfg, store, st["epochs"], stats, unit_href),
         "safe_mode": safe_mode_view(st["safe_mode"], refused_tasks(events, stats) if st["safe_mode"] else []),
-        "phases": PHASE_NAMES,
+        "phases": tuple(phases_for(cfg)),
         "batched": BATCHED,
         "snapshots": _snapshots(layout, st["epochs"], events, st["quarantined"]),
         "chart": (curves_svg(step_chart_rows(store, layout, st["epochs"]), "optimizer step") if per_step

@@ -28,7 +28,7 @@ from verl_tasks.airflow.operators import ConfigureExperimentOperator, VerlPhaseO
 from verl_tasks.airflow.promotion import PromoteSnapshotOperator, promoted_asset
 from verl_tasks.config import NAME_PATTERN, TRIGGER_OVERRIDABLE, parse_config, trigger_limits
 from verl_tasks.execution.lineage import RESUME_MODES
-from verl_tasks.phase_registry import PHASES
+from verl_tasks.phase_registry import phases_for
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from airflow.sdk import BaseOperator
@@ -38,7 +38,7 @@ GPU_POOL = "verl_gpu"
 # Keys whose bound the form's description spells out: those that scale a run's work.
 _SCALING = ("algorithm.group_size", "algorithm.ppo_epochs", "rollout.max_new_tokens", "rollout.prompts_per_batch",
             "evaluate.max_prompts")
-GPU_PHASES = ("rollout", "update")
+GPU_PHASES = ("rollout", "critic", "update")
 
 RETRY_DOC = (
     "\n\n**Retry / Clear**: the task first looks for its unit's `_SUCCESS` marker and returns at once if it "
@@ -163,7 +163,7 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
         for epoch in range(cfg.epochs):
             with TaskGroup(group_id=f"epoch_{epoch:03d}", tooltip=f"epoch {epoch} -> policy version {epoch + 1}"):
                 tasks: dict[str, BaseOperator | MappedOperator] = {}
-                for phase, spec in PHASES.items():
+                for phase, spec in phases_for(cfg).items():
                     kwargs: dict[str, Any] = dict(common, task_id=phase, phase=phase, epoch=epoch,
                                                   doc_md=spec.doc + RETRY_DOC)
                     timeout = ft.timeout_s.get(phase)
@@ -191,6 +191,8 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                     else:
                         tasks[phase] = VerlPhaseOperator(**kwargs)
                 previous >> tasks["plan"] >> tasks["rollout"] >> tasks["score"] >> tasks["validate"]
+                if "critic" in tasks:  # PPO: the policy update reads the advantages the critic computed
+                    tasks["validate"] >> tasks["critic"] >> tasks["update"]
                 tasks["validate"] >> tasks["update"] >> tasks["snapshot"] >> tasks["evaluate"]
                 evaluations.append(tasks["evaluate"])
                 previous = tasks["snapshot"]

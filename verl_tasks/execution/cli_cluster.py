@@ -42,9 +42,9 @@ def check_gpus(config: ExperimentConfig, offered: float) -> None:
         ConfigError: naming each such phase and what the head offers.
     """
     from verl_tasks.errors import ConfigError
-    from verl_tasks.phase_registry import PHASE_NAMES
+    from verl_tasks.phase_registry import phases_for
 
-    needs = {phase: config.phase_resources(phase).num_gpus for phase in PHASE_NAMES}
+    needs = {phase: config.phase_resources(phase).num_gpus for phase in phases_for(config)}
     short = {phase: gpus for phase, gpus in needs.items() if gpus > offered}
     if short:
         wanted = ", ".join(f"resources.{phase}.num_gpus: {gpus:g}" for phase, gpus in short.items())

@@ -28,7 +28,7 @@ from verl_tasks.ownership import DagAccess, check_fork, check_write, read_record
 from verl_tasks.pinning import pin_experiment, read_pin
 from verl_tasks.store import conventions
 from verl_tasks.store.base import ObjectStore
-from verl_tasks.store.conventions import NOT_COPIED, WEIGHTS, is_optimizer_state
+from verl_tasks.store.conventions import NOT_COPIED, WEIGHTS, is_critic_optimizer_state, is_optimizer_state
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def seed_base_from(store: ObjectStore, experiment: str, parent: str, version: in
               "weights_sha256": source.files[WEIGHTS].sha256 if WEIGHTS in source.files else None}
     writer = UnitWriter(store, target)
     for name in sorted(source.files):
-        if name not in NOT_COPIED and not is_optimizer_state(name):
+        if name not in NOT_COPIED and not is_optimizer_state(name) and not is_critic_optimizer_state(name):
             writer.copy_from(source, name)
     writer.write_json("trainer_state.json", {"version": 0, "step": 0, "epoch": None, "seed": seed, "parent": origin})
     record, won = writer.commit({"version": 0, "source": "parent", "parent": origin})

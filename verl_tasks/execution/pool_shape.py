@@ -26,7 +26,7 @@ GATE_KIND = "gate"  # validate: Great Expectations, no policy
 CPU_KIND = "cpu"
 # Rollout, update and evaluate sharing GPUs (``placement.gpu_phases``): one pool whose actors run all three.
 GPU_KIND = "gpu"
-GPU_PHASES = ("rollout", "update", "evaluate")
+GPU_PHASES = ("rollout", "critic", "update", "evaluate")
 
 
 def pool_kind(phase: str) -> str:
@@ -175,9 +175,9 @@ def gpu_sharing_phases(config: ExperimentConfig, cluster_gpus: float | None) -> 
 
 def experiment_shapes(config: ExperimentConfig) -> set[PoolShape]:
     """Every pool the experiment's phases use (phases sharing a pool give one shape)."""
-    from verl_tasks.phase_registry import PHASE_NAMES
+    from verl_tasks.phase_registry import phases_for
 
-    return {PoolShape.for_phase(config, phase) for phase in PHASE_NAMES}
+    return {PoolShape.for_phase(config, phase) for phase in phases_for(config)}
 
 
 def cpus_for(config: ExperimentConfig) -> float:

@@ -17,7 +17,14 @@ from verl_tasks.errors import ConfigError, IntegrityError, StoreError
 from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import OPTIMIZER_INDEX, check_optimizer_index, load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
-from verl_tasks.store.conventions import TRAINING_ONLY, WEIGHTS, is_optimizer_state, read_best, snapshot_versions
+from verl_tasks.store.conventions import (
+    TRAINING_ONLY,
+    WEIGHTS,
+    is_critic_file,
+    is_optimizer_state,
+    read_best,
+    snapshot_versions,
+)
 from verl_tasks.store.units import (
     CommitRecord,
     download,
@@ -200,7 +207,8 @@ def export_hf(ref: SnapshotRef, target: Path) -> list[Path]:
     target = Path(target)
     if target.exists() and any(target.iterdir()):
         raise StoreError(f"{target} exists and is not empty; choose a new folder")
-    names = [n for n in sorted(record.files) if n not in TRAINING_ONLY and not is_optimizer_state(n)]
+    names = [n for n in sorted(record.files)
+             if n not in TRAINING_ONLY and not is_optimizer_state(n) and not is_critic_file(n)]
     with tempfile.TemporaryDirectory(dir=target.parent if target.parent.exists() else None) as tmp:
         folder = fetch(ref, record, Path(tmp) / "export", names)
         problems = forward_check(folder)

@@ -33,7 +33,7 @@ from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
-from verl_tasks.store.conventions import check_not_pruned, is_optimizer_state, optimizer_state_id
+from verl_tasks.store.conventions import check_not_pruned, is_critic_file, is_optimizer_state, optimizer_state_id
 from verl_tasks.store.units import (
     CommitRecord,
     ConfigPin,
@@ -191,8 +191,9 @@ POLICY_BYTES = {"store": 0, "memory": 0}
 
 
 def _needed(record: CommitRecord, weights: bool, optimizer: bool) -> list[str]:
-    return sorted(name for name in record.files
-                  if (name != WEIGHTS or weights) and (optimizer or not is_optimizer_state(name)))
+    """The policy's files (a PPO snapshot's ``critic.*`` files are the critic phase's to read)."""
+    return sorted(name for name in record.files if (name != WEIGHTS or weights) and not is_critic_file(name)
+                  and (optimizer or not is_optimizer_state(name)))
 
 
 def _policy_folder(ctx: PhaseContext, version: int, record: CommitRecord | None, weights: bool,

@@ -23,6 +23,7 @@ from verl_tasks.store.conventions import (
     KEEP_WHEN_PRUNED,
     WEIGHTS,
     WRITTEN_BY_SNAPSHOT,
+    is_critic_file,
     latest_version,
     read_retention,
     write_best,
@@ -112,6 +113,8 @@ def apply_retention(ctx: PhaseContext, newest: int) -> list[int]:
             pruned.append(version)
         # Also when the snapshot was pruned by a pass that died before this line.
         prune(ctx, layout.update(version - 1), "retention: weights published and pruned")
+        if ctx.config.critic is not None:
+            prune(ctx, layout.critic(version - 1), "retention: critic published and pruned")
     settled = max(through, horizon)
     if (settled, still_kept) != (through, kept):
         write_retention(store, layout, settled, still_kept)
@@ -133,6 +136,10 @@ def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
         for name in sorted(update_rec.files):
             if name not in WRITTEN_BY_SNAPSHOT:
                 writer.copy_from(update_rec, name)
+        if cfg.critic is not None:  # PPO: critic version epoch + 1 beside the policy of that version
+            critic_rec = require(ctx, ctx.layout.critic(epoch), "critic")
+            for name in sorted(n for n in critic_rec.files if is_critic_file(n)):
+                writer.copy_from(critic_rec, name)
         metrics = read_json(ctx.store, update_rec, "metrics.json")
         state = read_json(ctx.store, update_rec, "trainer_state.json")
         writer.write_json(

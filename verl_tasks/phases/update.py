@@ -110,7 +110,8 @@ def _train_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: Unit
         ref = ResponseLogProbs(load_version(ctx, 0, record=source.reference.record)[0])
     micro = cfg.phase_resources("update").micro_batch_size
     device = next(model.parameters()).device
-    inputs = epoch_inputs(source.samples, tokenizer.pad_token_id, algo, cfg.rollout.max_new_tokens).to(device)
+    inputs = epoch_inputs(source.samples, tokenizer.pad_token_id, algo, cfg.rollout.max_new_tokens,
+                          source.advantages).to(device)
     inputs = fill_frozen_logprobs(inputs, policy, ref, cfg.rollout.temperature, source.single_step, micro)
     optimizer = resumed_optimizer(model, algo, folder, source.start.optimizer_state, warm)
     on_step = lambda step: ctx.hook("update_step", epoch=source.epoch, step=step)  # noqa: E731

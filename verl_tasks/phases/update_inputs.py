@@ -12,10 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from verl_tasks.errors import PhaseFailed
 from verl_tasks.phases.common import PhaseContext, require
 from verl_tasks.phases.validate import epoch_batches
 from verl_tasks.store.conventions import TRAINER_STATE, WEIGHTS, check_not_pruned, optimizer_state_id
-from verl_tasks.store.units import CommitRecord, read_json, read_jsonl
+from verl_tasks.store.units import CommitRecord, read_bytes, read_json, read_jsonl
+
+# The critic unit's GAE advantages, returns and old values ([B, R] each) and the sample ids of their rows.
+ADVANTAGES = "advantages.safetensors"
+ADVANTAGE_ROWS = "advantages.json"
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,8 @@ class UpdateSource:
     skipped batches left out. ``start``: the policy trained; ``reference``: the base policy the KL
     term compares with (None without KL). ``first_step``: the global optimizer step it starts from.
     ``single_step``: the epoch is one optimizer step over all samples, so the old log-probs are the
-    step's own.
+    step's own. ``advantages``: ``[B, R]``, the critic phase's GAE advantages (None: the update computes
+    them with ``algorithm.adv_estimator``).
     """
 
     epoch: int
@@ -58,14 +66,16 @@ class UpdateSource:
     reference: PolicyState | None
     first_step: int
     single_step: bool
+    advantages: torch.Tensor | None = None
 
     @property
     def policy_version(self) -> int:
         return self.start.version
 
 
-def read_update_source(ctx: PhaseContext, epoch: int) -> UpdateSource:
-    """Read the update's inputs (one read per input unit).
+def read_update_source(ctx: PhaseContext, epoch: int, *, critic: bool = True) -> UpdateSource:
+    """Read the update's inputs (one read per input unit); ``critic`` False: not the critic's advantages (the
+    critic phase reads the rest to compute them).
 
     Raises:
         PhaseFailed: an input unit is not committed (naming the task to run first).
@@ -90,7 +100,27 @@ def read_update_source(ctx: PhaseContext, epoch: int) -> UpdateSource:
         reference = PolicyState(0, base)
     return UpdateSource(epoch=epoch, update_seed=int(planned["update_seed"]), samples=samples,
                         start=PolicyState(version, record), reference=reference, first_step=int(first_step),
-                        single_step=algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples))
+                        single_step=algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples),
+                        advantages=critic_advantages(ctx, epoch, samples) if critic and ctx.config.critic else None)
 
 
-__all__ = ["PolicyState", "UpdateSource", "read_update_source"]
+def critic_advantages(ctx: PhaseContext, epoch: int, samples: list[dict[str, Any]]) -> torch.Tensor:
+    """The GAE advantages the critic phase of ``epoch`` committed, rows in ``samples``' order.
+
+    Raises:
+        PhaseFailed: the critic unit is not committed, or it was computed on other samples (a rollout
+            batch recomputed after it committed): clearing the critic task recomputes it on these.
+    """
+    from safetensors.torch import load
+
+    unit = ctx.layout.critic(epoch)
+    record = require(ctx, unit, "critic")
+    rows = read_json(ctx.store, record, ADVANTAGE_ROWS)["sample_ids"]
+    if rows != [s["sample_id"] for s in samples]:
+        raise PhaseFailed(unit, "the critic's advantages are of other samples than the epoch's committed ones (a "
+                                "rollout or score batch was recomputed after the critic ran); clear the critic "
+                                "task to compute them again")
+    return load(read_bytes(ctx.store, record, ADVANTAGES))["advantages"]
+
+
+__all__ = ["ADVANTAGES", "ADVANTAGE_ROWS", "PolicyState", "UpdateSource", "critic_advantages", "read_update_source"]

@@ -78,20 +78,29 @@ def collate(samples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tenso
     }
 
 
+def outcome_rewards(samples: list[dict[str, Any]], response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]`` token rewards: each sample's score on its last response token, 0 elsewhere."""
+    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+    token_rewards = torch.zeros_like(response_mask)
+    last = (response_mask.sum(-1).long() - 1).clamp_min(0)
+    token_rewards[torch.arange(len(samples)), last] = scores
+    return token_rewards
+
+
 def epoch_inputs(samples: list[dict[str, Any]], pad_id: int, algo: AlgorithmConfig,
-                 max_new_tokens: int) -> UpdateInputs:
+                 max_new_tokens: int, advantages: torch.Tensor | None = None) -> UpdateInputs:
     """The collated batch and its advantages (``algo.adv_estimator`` over the outcome scores, each on its
-    sample's last response token); log-probs not yet computed. ``seq-mean-token-sum-norm`` divides by
-    ``algo.loss_scale_factor``, else by ``max_new_tokens`` (verl: the padded response length)."""
+    sample's last response token; ``advantages``, ``[B, R]``, when the critic phase computed them: GAE);
+    log-probs not yet computed. ``seq-mean-token-sum-norm`` divides by ``algo.loss_scale_factor``, else by
+    ``max_new_tokens`` (verl: the padded response length)."""
     data = collate(samples, pad_id)
     mask = data["response_mask"]
-    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
-    token_rewards = torch.zeros_like(mask)
-    last = (mask.sum(-1).long() - 1).clamp_min(0)
-    token_rewards[torch.arange(len(samples)), last] = scores
-    advantages, _returns = estimator(algo.adv_estimator)(AdvantageInputs(
-        token_rewards, mask, [s["prompt_id"] for s in samples], norm_adv_by_std=algo.norm_adv_by_std,
-        gamma=algo.gamma, lam=algo.lam))
+    if advantages is None:
+        advantages, _returns = estimator(algo.adv_estimator)(AdvantageInputs(
+            outcome_rewards(samples, mask), mask, [s["prompt_id"] for s in samples],
+            norm_adv_by_std=algo.norm_adv_by_std, gamma=algo.gamma, lam=algo.lam))
+    elif advantages.shape != mask.shape:
+        raise ValueError(f"advantages of shape {tuple(advantages.shape)} for a batch of {tuple(mask.shape)}")
     scale = None
     if algo.loss_agg_mode.value == "seq-mean-token-sum-norm":
         scale = float(algo.loss_scale_factor or max_new_tokens)

@@ -37,6 +37,19 @@ def is_optimizer_state(name: str) -> bool:
     return name.startswith("optimizer.")
 
 
+# PPO's critic, in a critic unit and in the snapshot of the same version: ``critic.model.safetensors``, ...
+CRITIC_PREFIX = "critic."
+
+
+def is_critic_file(name: str) -> bool:
+    return name.startswith(CRITIC_PREFIX)
+
+
+def is_critic_optimizer_state(name: str) -> bool:
+    """The critic's AdamW state: a fork's base copies the critic's weights, not its optimizer (as the policy's)."""
+    return is_critic_file(name) and is_optimizer_state(name.removeprefix(CRITIC_PREFIX))
+
+
 def optimizer_state_id(record: CommitRecord) -> str | None:
     """The checksums of a unit's optimizer state files, as one string; None when it has none.
 

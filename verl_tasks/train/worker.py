@@ -138,7 +138,8 @@ class UpdateWorker:
         micro = config.phase_resources("update").micro_batch_size
         started = time.monotonic()
         model, core, optimizer, tokenizer, how = self._policy(ctx, config, source.start)
-        inputs = epoch_inputs(source.samples, tokenizer.pad_token_id, algo, config.rollout.max_new_tokens)
+        inputs = epoch_inputs(source.samples, tokenizer.pad_token_id, algo, config.rollout.max_new_tokens,
+                              source.advantages)
         inputs = inputs.to(self.device)
         if not source.single_step:
             inputs.old_logp = sharded_logprobs(model, inputs, temperature, micro, self.rank, self.world)
