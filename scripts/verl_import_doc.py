@@ -21,10 +21,9 @@ same `key=value` words a `python -m verl.trainer.main_ppo ...` line ends with, a
     verl-tasks run my-run.yaml
 
 Every key the experiment does not express is listed, with why, on the terminal and at the top of the written
-YAML; a value verl-tasks cannot run (a critic, LoRA, dynamic sampling, a reward model, sglang) is refused
-there, by key. When a key is refused, or the result does not load (for example
-`algorithm.adv_estimator=gae`, which needs the critic), the command writes the file for you to edit and exits
-2 with the reason. A reference (`${...}`) it cannot resolve, or a value of the wrong type, is an error naming
+YAML; a value verl-tasks cannot run (LoRA, dynamic sampling, a reward model, sglang, a critic warm-up) is
+refused there, by key. When a key is refused, or the result does not load, the command writes the file for
+you to edit and exits 2 with the reason. A reference (`${...}`) it cannot resolve, or a value of the wrong type, is an error naming
 the key; nothing is written.
 
 What carries over:
@@ -37,6 +36,11 @@ What carries over:
   verl's would: AdamW weight decay 0.01, `adv_estimator: gae`, `rollout.n: 1`, `lr: 1e-6`, and so on.
 * **References.** `${a.b}` and `${oc.select:a.b,default}` between verl's own keys are resolved; `1e-6` is a
   number, as OmegaConf reads it.
+* **PPO.** `algorithm.adv_estimator=gae` (verl's default) writes a `critic` section from verl's `critic.*`
+  keys and defaults (`critic.optim.lr` 1e-5, weight decay 0.01, `cliprange_value` 0.5): the value head sits on
+  the policy's base when `critic.model.path` is the actor's, else on that model. The critic takes the policy's
+  minibatches and PPO epochs, so a `critic.ppo_mini_batch_size` or `critic.ppo_epochs` that differs is
+  refused. Without gae, verl builds no critic and its keys are listed as not needed.
 * **Not carried.** Storage (`storage.uri`), tracking, resources per phase and the reward function
   (`rewards.function`, a `package.module:function` installed where the workers run) are set in the written
   YAML by hand; the Airflow DAG picks the experiment up from `dags/experiments/`.

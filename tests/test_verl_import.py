@@ -1,6 +1,6 @@
 """`verl-tasks import-verl` on verl's own example commands (their overrides, kept in tests/data/verl_examples):
 the GRPO example maps key by key and, pointed at local data and a local model and scaled down with more verl
-overrides as a user would, trains; the PPO example is refused with the critic named."""
+overrides as a user would, trains; so does the PPO example, with its critic."""
 from __future__ import annotations
 
 import shlex
@@ -46,13 +46,29 @@ def test_verl_grpo_example_maps_key_by_key():
     assert "actor_rollout_ref.actor.fsdp_config.param_offload" in result.not_needed
 
 
-def test_verl_ppo_example_is_refused_naming_the_critic(tmp_path):
-    out = tmp_path / "ppo.yaml"
-    run = cli("import-verl", "-o", str(out), *example("ppo_deepseek7b_llm.args"), "trainer.total_training_steps=4")
-    assert run.returncode != 0
-    assert "critic.optim.lr: PPO's critic is not built" in run.stderr, run.stderr
-    assert "adv_estimator 'gae' needs a critic" in " ".join(run.stderr.split()), run.stderr
-    assert out.is_file() and "# refused: critic.model.path" in out.read_text()  # written for the user to edit
+def test_verl_ppo_example_maps_key_by_key_with_its_critic():
+    result = import_verl(None, [*example("ppo_deepseek7b_llm.args"), "trainer.total_training_steps=4"])
+    exp = result.experiment
+    assert exp["algorithm"]["adv_estimator"] == "gae" and exp["algorithm"]["group_size"] == 1
+    # verl's critic defaults where the example sets nothing; its critic sits on the actor's model: the base
+    assert exp["critic"] == {"lr": pytest.approx(1e-5), "weight_decay": 0.01, "betas": [0.9, 0.999],
+                             "cliprange_value": 0.5, "grad_clip": 1.0, "loss_agg_mode": "token-mean"}
+    assert exp["resources"]["critic"]["micro_batch_size"] == 32
+    assert not result.refused and not result.unmapped, (result.refused, result.unmapped)
+    assert "critic.model.fsdp_config.param_offload" in result.not_needed
+
+
+def test_critic_keys_that_verl_tasks_cannot_honour_are_refused_and_ignored_without_gae():
+    ppo = ["algorithm.adv_estimator=gae", "trainer.total_training_steps=2", "trainer.critic_warmup=3",
+           "critic.ppo_epochs=4", "critic.model.path=/models/other-critic"]
+    result = import_verl(None, ppo)
+    assert set(result.refused) == {"trainer.critic_warmup", "critic.ppo_epochs"}, result.refused
+    assert "the policy's PPO epochs" in result.refused["critic.ppo_epochs"]
+    assert result.experiment["critic"]["name_or_path"] == "/models/other-critic"
+    grpo = import_verl(None, ["algorithm.adv_estimator=grpo", "trainer.total_training_steps=2",
+                              "critic.optim.lr=1e-5", "critic.ppo_epochs=4"])
+    assert "critic" not in grpo.experiment and not grpo.refused
+    assert set(grpo.not_needed) >= {"critic.optim.lr", "critic.ppo_epochs"}
 
 
 def test_refused_values_name_the_key_and_the_reason():
@@ -147,9 +163,11 @@ def test_the_docs_table_is_the_mapping():
     assert len(RULES) > 40
 
 
-def test_the_verl_grpo_example_runs_scaled_down(tmp_path):
-    """verl's GRPO example with its data and model paths pointed at local files and five more verl
-    overrides that shrink it (as a user tries a recipe first) imports, loads and trains two epochs."""
+@pytest.mark.parametrize("name", ["grpo_qwen2-7b.args", "ppo_deepseek7b_llm.args"])
+def test_the_verl_examples_run_scaled_down(tmp_path, name):
+    """verl's GRPO and PPO examples with their data and model paths pointed at local files and more verl
+    overrides that shrink them (as a user tries a recipe first) import, load and train two epochs (PPO: with
+    its critic, whose value head sits on the same local model)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -164,14 +182,15 @@ def test_the_verl_grpo_example_runs_scaled_down(tmp_path):
     tokenizer = build_tokenizer()
     save_policy(build_model(TinyModelConfig(hidden_size=64, num_layers=1), len(tokenizer), seed=3), tokenizer,
                 tmp_path / "model")
-    args = [a for a in example("grpo_qwen2-7b.args")
-            if not a.startswith(("data.train_files=", "data.val_files=", "actor_rollout_ref.model.path="))]
+    args = [a for a in example(name) if not a.startswith(("data.train_files=", "data.val_files=",
+                                                         "actor_rollout_ref.model.path=", "critic.model.path="))]
     args += [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'test.parquet'}",
              f"actor_rollout_ref.model.path={tmp_path / 'model'}", "data.train_batch_size=8",
              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "data.max_response_length=4", "data.max_prompt_length=16", "actor_rollout_ref.rollout.name=hf",
-             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.total_epochs=1"]
-    out = tmp_path / "grpo.yaml"
+             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.total_epochs=1",
+             f"critic.model.path={tmp_path / 'model'}", "critic.ppo_micro_batch_size_per_gpu=4"]
+    out = tmp_path / "imported.yaml"
     imported = cli("import-verl", "-o", str(out), *args)
     assert imported.returncode == 0, imported.stderr
     experiment = yaml.safe_load(out.read_text())
@@ -185,3 +204,5 @@ def test_the_verl_grpo_example_runs_scaled_down(tmp_path):
     shown = cli("status", str(out), "--json")
     status = yaml.safe_load(shown.stdout)
     assert [e["epoch"] for e in status["epochs"]] == [0, 1], shown.stdout[-2000:]
+    ran_critic = [e["phases"].get("critic") for e in status["epochs"]]
+    assert ran_critic == (["committed"] * 2 if name.startswith("ppo") else [None] * 2), ran_critic

@@ -50,6 +50,11 @@ VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.rollout.n": 1,
     "actor_rollout_ref.rollout.temperature": 1.0,
     "actor_rollout_ref.rollout.top_p": 1.0,
+    "critic.optim.lr": 1e-5,
+    "critic.optim.weight_decay": 0.01,
+    "critic.optim.betas": [0.9, 0.999],
+    "critic.cliprange_value": 0.5,
+    "critic.grad_clip": 1.0,
     "trainer.total_epochs": 30,
     "trainer.experiment_name": "gsm8k",
 }
@@ -194,8 +199,30 @@ RULES: tuple[Rule, ...] = (
     Rule("reward.custom_reward_function.path", None, "as custom_reward_function.path", _refuse(
         "a reward function file; put it in a package installed on the workers and set rewards.function: "
         "package.module:function")),
-    Rule("critic.*", None, "refused: PPO's critic is not built (adv_estimator gae needs it)",
-         _refuse("PPO's critic is not built in verl-tasks")),
+    Rule("critic.optim.lr", "critic.lr", "same (a critic section is written with adv_estimator gae only)"),
+    Rule("critic.optim.weight_decay", "critic.weight_decay", "same (verl's default 0.01)"),
+    Rule("critic.optim.betas", "critic.betas", "same"),
+    Rule("critic.optim.clip_grad", "critic.grad_clip", "same"),
+    Rule("critic.grad_clip", "critic.grad_clip", "same"),
+    Rule("critic.cliprange_value", "critic.cliprange_value", "same"),
+    Rule("critic.loss_agg_mode", "critic.loss_agg_mode", "same (verl's default: the actor's)",
+         _one_of(("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+                 "critic loss_agg_mode")),
+    Rule("critic.model.path", "critic.name_or_path", "the actor's path: the value head sits on the policy's base "
+         "(null); another: that HF model, which must share the actor's tokenizer"),
+    Rule("critic.ppo_micro_batch_size_per_gpu", "resources.critic.micro_batch_size", "same"),
+    Rule("critic.ppo_mini_batch_size", None, "refused when it differs from the actor's: the critic trains on "
+         "the policy's minibatches", None),
+    Rule("critic.ppo_epochs", None, "refused when it differs from the actor's: the critic takes the policy's PPO "
+         "epochs", None),
+    Rule("critic.optim.lr_warmup_steps_ratio", None, "refused when > 0: the critic's rate is constant",
+         _refuse("a warm-up of the critic's learning rate is not built; its rate is constant (critic.lr)")),
+    Rule("critic.optim.lr_warmup_steps", None, "refused when > 0: the critic's rate is constant",
+         _refuse("a warm-up of the critic's learning rate is not built; its rate is constant (critic.lr)")),
+    Rule("critic.model.lora_rank", None, "refused when > 0: LoRA is not built",
+         _refuse("LoRA of the critic (lora_rank > 0) is not built in verl-tasks; train the full critic")),
+    Rule("trainer.critic_warmup", None, "refused when > 0: the policy trains from the first epoch",
+         _refuse("trainer.critic_warmup > 0 (training steps that update the critic only) is not built")),
     Rule("trainer.total_training_steps", "epochs", "one verl-tasks epoch per training step"),
     Rule("trainer.total_epochs", "epochs", "times the training file's steps (rows // train_batch_size), "
          "unless total_training_steps is set"),
@@ -216,7 +243,12 @@ NOT_NEEDED: tuple[tuple[str, str], ...] = (
     ("trainer.n_gpus_per_node", "resources.<phase>.num_gpus / workers per phase"),
     ("trainer.nnodes", "Ray places the phases' pools on the cluster's nodes"),
     ("trainer.save_freq", "every epoch commits a snapshot; storage.keep_snapshots prunes"),
-    ("trainer.critic_warmup", "no critic"),
+    ("critic.model.fsdp_config.*", "FSDP memory knobs of verl's critic; the critic trains in one process"),
+    ("critic.model.use_remove_padding", "an implementation choice of verl's critic"),
+    ("critic.model.enable_gradient_checkpointing", "an implementation choice of verl's critic"),
+    ("critic.model.tokenizer_path", "the critic reads the policy's token ids"),
+    ("critic.strategy", "the critic trains in one process"),
+    ("critic.enable", "a critic is used exactly when adv_estimator is gae, as in verl"),
     ("trainer.use_legacy_worker_impl", "an implementation choice of verl's workers"),
     ("trainer.default_local_dir", "storage.uri"),
 )
@@ -320,6 +352,30 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parents:
         tree = tree.setdefault(part, {})
     tree[leaf] = value
+
+
+def _critic(values: dict[str, Any], given: dict[str, Any], out: dict[str, Any], result: Imported,
+            take: Callable[[str], Any], number: Callable[..., Any]) -> None:
+    """The critic section of a gae experiment, from verl's ``critic.*`` keys (its defaults where unset)."""
+    _set(out, "critic.lr", number("critic.optim.lr", float))
+    _set(out, "critic.weight_decay", number("critic.optim.weight_decay", float, minimum=0))
+    _set(out, "critic.betas", take("critic.optim.betas"))
+    _set(out, "critic.cliprange_value", number("critic.cliprange_value", float))
+    clip = "critic.optim.clip_grad" if values.get("critic.optim.clip_grad") is not None else "critic.grad_clip"
+    _set(out, "critic.grad_clip", number(clip, float))
+    mode = take("critic.loss_agg_mode") if "critic.loss_agg_mode" in values else out["algorithm"].get("loss_agg_mode")
+    if mode is not None:
+        _set(out, "critic.loss_agg_mode", mode)
+    path = values.get("critic.model.path")
+    if path is not None and path != values.get("actor_rollout_ref.model.path"):
+        _set(out, "critic.name_or_path", str(path))
+    if values.get("critic.ppo_micro_batch_size_per_gpu"):
+        _set(out, "resources.critic.micro_batch_size", number("critic.ppo_micro_batch_size_per_gpu", minimum=1))
+    actor = "actor_rollout_ref.actor."
+    for key, what in (("ppo_mini_batch_size", "minibatches"), ("ppo_epochs", "PPO epochs")):
+        if f"critic.{key}" in given and given[f"critic.{key}"] != values.get(actor + key):
+            result.refused[f"critic.{key}"] = (f"critic.{key}={given[f'critic.{key}']} differs from the actor's "
+                                               f"({values.get(actor + key)}); the critic trains on the policy's {what}")
 
 
 def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) -> Imported:
@@ -436,6 +492,14 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
     for part in ("enable", "len", "penalty_factor"):
         if f"reward_model.overlong_buffer.{part}" in values:
             put(f"rewards.overlong_buffer.{part}", f"reward_model.overlong_buffer.{part}")
+
+    if values["algorithm.adv_estimator"] == "gae":
+        _critic(values, given, out, result, take, number)
+    else:  # verl builds no critic without gae either: its keys set nothing
+        for key in [k for k in given if k.startswith("critic.")]:
+            result.refused.pop(key, None)
+            result.unmapped.pop(key, None)
+            result.not_needed[key] = "no critic without adv_estimator gae (as in verl)"
 
     steps = values.get("trainer.total_training_steps")
     if steps is None:
