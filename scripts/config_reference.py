@@ -127,7 +127,8 @@ def plain(text: str) -> str:
 def pinned_keys() -> set[str]:
     """Dotted keys hashed into ``experiment.json``: the config's own hashed view, plus the keys it leaves
     out only while they hold their defaults (``ADDED_AT_DEFAULT``)."""
-    view = cfg.ExperimentConfig(experiment="reference").hashed_view()
+    # With a critic: its section is hashed when set (and absent otherwise, so it pins nothing then).
+    view = cfg.ExperimentConfig(experiment="reference", algorithm={"adv_estimator": "gae"}, critic={}).hashed_view()
     return set(cfg.flatten(view)) | set(cfg.ADDED_AT_DEFAULT)
 
 
@@ -160,8 +161,7 @@ class Section:
 
     def fields(self) -> list[tuple[str, FieldInfo]]:
         return [(name, field) for name, field in self.model.model_fields.items()
-                if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
-                and not _is_section_map(field)]
+                if section_model(field) is None and not _is_section_map(field)]
 
     def render(self, pinned: set[str], level: int = 2) -> list[str]:
         lines = [f"{'#' * level} {self.title}", ""]
@@ -196,6 +196,16 @@ class Section:
         return lines
 
 
+def section_model(field: FieldInfo) -> type[BaseModel] | None:
+    """The model of a section key: ``Model``, or ``Model | None`` (an optional section, such as ``critic``)."""
+    annotation = field.annotation
+    options = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_args(annotation) \
+        else [annotation]
+    if len(options) == 1 and isinstance(options[0], type) and issubclass(options[0], BaseModel):
+        return options[0]
+    return None
+
+
 def _is_section_map(field: FieldInfo) -> bool:
     args = typing.get_args(field.annotation)
     return typing.get_origin(field.annotation) is dict and len(args) == 2 and isinstance(args[1], type) \
@@ -212,9 +222,12 @@ def build_sections() -> list[Section]:
         found = []
         for name, field in model.model_fields.items():
             annotation = field.annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                section = Section(f"`{prefix}{name}`", f"{prefix}{name}.", annotation)
-                section.children = walk(annotation, f"{prefix}{name}.")
+            sub = section_model(field)
+            if sub is not None:
+                optional = sub is not annotation
+                lead = f"Optional: absent (`null`) unless set. {field.description or ''}".strip() if optional else ""
+                section = Section(f"`{prefix}{name}`", f"{prefix}{name}.", sub, lead=lead)
+                section.children = walk(sub, f"{prefix}{name}.")
                 found.append(section)
             elif _is_section_map(field):
                 value_model = typing.get_args(annotation)[1]

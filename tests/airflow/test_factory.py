@@ -131,3 +131,18 @@ def test_every_epoch_has_an_evaluate_and_the_run_picks_which_ones_run(tmp_path):
     names = {name for name in skipped.value.tasks if isinstance(name, str)}
     assert "epoch_000.evaluate" in names and "epoch_003.plan" in names, names
     assert not names & {"epoch_001.evaluate", "epoch_002.evaluate", "epoch_000.snapshot", "epoch_002.plan"}, names
+
+
+def test_a_ppo_dag_runs_the_critic_between_the_gate_and_the_update(tmp_path):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["algorithm"]["adv_estimator"] = "gae"
+    raw["critic"] = {"lr": 1e-4}
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dag = build_dag(path)
+    for epoch in range(raw["epochs"]):
+        group = f"epoch_{epoch:03d}"
+        assert dag.get_task(f"{group}.critic").upstream_task_ids == {f"{group}.validate"}
+        assert dag.get_task(f"{group}.update").upstream_task_ids == {f"{group}.validate", f"{group}.critic"}
+    assert dag.get_task("epoch_000.critic").pool == "verl_gpu"
+    assert not [t for t in build_dag(TINY).task_ids if t.endswith(".critic")]
