@@ -21,8 +21,8 @@ same `key=value` words a `python -m verl.trainer.main_ppo ...` line ends with, a
     verl-tasks run my-run.yaml
 
 Every key the experiment does not express is listed, with why, on the terminal and at the top of the written
-YAML; a value verl-tasks cannot run (LoRA, dynamic sampling, a reward model, sglang, a critic warm-up) is
-refused there, by key. When a key is refused, or the result does not load, the command writes the file for
+YAML; a value verl-tasks cannot run (LoRA, unbounded dynamic sampling, a reward model, sglang, a critic
+warm-up) is refused there, by key. When a key is refused, or the result does not load, the command writes the file for
 you to edit and exits 2 with the reason. A reference (`${...}`) it cannot resolve, or a value of the wrong
 type, is an error naming the key; nothing is written.
 
@@ -41,6 +41,10 @@ What carries over:
   the policy's base when `critic.model.path` is the actor's, else on that model. The critic takes the policy's
   minibatches and PPO epochs, so a `critic.ppo_mini_batch_size` or `critic.ppo_epochs` that differs is
   refused. Without gae, verl builds no critic and its keys are listed as not needed.
+* **DAPO.** `algorithm.filter_groups` becomes dynamic sampling with the same prompt budget: verl's
+  `max_num_gen_batches` rounds of `data.gen_batch_size` prompts are `algorithm.filter_groups.max_batches`
+  rollout batches of `rollout.prompts_per_batch`; 0 (no limit) is refused, since an epoch's possible batches
+  are planned ahead. Groups are told apart by their score, whichever `metric` verl named.
 * **Not carried.** Storage (`storage.uri`), tracking, resources per phase and the reward function
   (`rewards.function`, a `package.module:function` installed where the workers run) are set in the written
   YAML by hand; the Airflow DAG picks the experiment up from `dags/experiments/`.

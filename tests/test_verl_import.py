@@ -77,12 +77,28 @@ def test_refused_values_name_the_key_and_the_reason():
                                 "actor_rollout_ref.actor.use_kl_loss=true", "data.train_files=[a.parquet,b.parquet]",
                                 "trainer.total_training_steps=2", "trainer.made_up_key=1"])
     assert set(result.refused) == {"actor_rollout_ref.rollout.name", "actor_rollout_ref.model.lora_rank",
-                                   "algorithm.filter_groups.enable", "actor_rollout_ref.actor.kl_loss_type",
-                                   "data.train_files"}, result.refused
+                                   "algorithm.filter_groups.max_num_gen_batches",
+                                   "actor_rollout_ref.actor.kl_loss_type", "data.train_files"}, result.refused
     assert set(result.unmapped) == {"trainer.made_up_key"}, result.unmapped
     assert "LoRA" in result.refused["actor_rollout_ref.model.lora_rank"]
-    assert "dynamic sampling" in result.refused["algorithm.filter_groups.enable"]
+    assert "(no limit)" in result.refused["algorithm.filter_groups.max_num_gen_batches"]
     assert "2 files" in result.refused["data.train_files"]
+
+
+def test_dapo_dynamic_sampling_keeps_verls_prompt_budget():
+    """verl's DAPO recipe: up to 10 generation rounds of 3 x train_batch_size prompts; here rollout batches of
+    rollout.prompts_per_batch, as many as that budget holds."""
+    result = import_verl(None, ["algorithm.adv_estimator=grpo", "data.train_batch_size=512",
+                                "data.gen_batch_size=1536", "algorithm.filter_groups.enable=true",
+                                "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10",
+                                "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+                                "actor_rollout_ref.actor.clip_ratio_high=0.28", "trainer.total_training_steps=3"])
+    exp = result.experiment
+    assert not result.refused and not result.unmapped, (result.refused, result.unmapped)
+    per_batch = exp["rollout"]["prompts_per_batch"]
+    assert exp["algorithm"]["filter_groups"] == {"enable": True, "max_batches": 10 * 1536 // per_batch}
+    assert exp["algorithm"]["clip_ratio_high"] == pytest.approx(0.28)
+    parse_config({**exp, "storage": {"uri": "file:///unused"}})
 
 
 def test_a_refused_key_fails_the_command_and_is_listed_in_the_file(tmp_path):

@@ -38,7 +38,8 @@ ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps
                     "rewards.cpu_limit_s": None, "rewards.max_processes": 64, "evaluate.regression_margin": 0.05,
                     "algorithm.adv_estimator": "grpo", "algorithm.policy_loss": "vanilla", "algorithm.gamma": 1.0,
                     "algorithm.lam": 1.0, "algorithm.loss_scale_factor": None,
-                    "rewards.overlong_buffer": {"enable": False, "len": 0, "penalty_factor": 1.0}}
+                    "rewards.overlong_buffer": {"enable": False, "len": 0, "penalty_factor": 1.0},
+                    "algorithm.filter_groups": {"enable": False, "max_batches": None}}
 # What engines sharing one GPU may take of its memory together (CUDA contexts and the framework need the rest).
 SHARED_GPU_MEMORY = 0.9
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
@@ -179,6 +180,19 @@ class LRSchedule(str, Enum):
     cosine = "cosine"
 
 
+class FilterGroups(Strict):
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): a prompt's group whose samples all scored the
+    same carries no GRPO signal and is left out of the update; the epoch then draws further rollout batches, one
+    committed unit each, in the ``top_up`` task, until it holds ``rollout.batches_per_epoch x
+    rollout.prompts_per_batch`` prompts with differing scores (the first of them in draw order are trained on),
+    or refuses when ``max_batches`` were drawn. Groups are told apart by their score (verl's ``metric``)."""
+
+    enable: bool = False
+    max_batches: int | None = Field(
+        None, gt=0, description="the most rollout batches an epoch may draw, its planned ones included (verl "
+                                "max_num_gen_batches x rollout.batches_per_epoch); required with enable")
+
+
 class AlgorithmConfig(Strict):
     """GRPO hyperparameters and the learning-rate schedule.
 
@@ -223,6 +237,7 @@ class AlgorithmConfig(Strict):
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from lr/warmup_steps to lr")
     total_steps: int | None = Field(None, gt=0, description="schedule horizon; default epochs x steps per epoch")
     min_lr_ratio: float = Field(0.0, ge=0, lt=1, description="linear/cosine decay ends at lr x min_lr_ratio")
+    filter_groups: FilterGroups = FilterGroups()
 
     @field_validator("betas")
     @classmethod
@@ -636,6 +651,29 @@ class ExperimentConfig(Strict):
             raise ValueError("critic.name_or_path names an HF model, but model.source is tiny (its tokenizer is the "
                              "built-in one); remove critic.name_or_path to put the value head on the policy's base")
         return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_can_fill(self) -> ExperimentConfig:
+        groups = self.algorithm.filter_groups
+        if not groups.enable:
+            return self
+        planned = self.rollout.batches_per_epoch
+        if groups.max_batches is None or groups.max_batches <= planned:
+            raise ValueError(f"algorithm.filter_groups.enable draws rollout batches beyond the epoch's "
+                             f"{planned}: set algorithm.filter_groups.max_batches above rollout.batches_per_epoch "
+                             f"(for example {3 * planned}); it bounds what one epoch may generate")
+        if self.algorithm.group_size < 2:
+            raise ValueError("algorithm.filter_groups.enable leaves out groups whose samples scored alike: with "
+                             "group_size 1 there are none to compare; set group_size >= 2")
+        if self.fault_tolerance.min_committed_batch_fraction < 1:
+            raise ValueError("algorithm.filter_groups.enable draws further batches instead of going on without "
+                             "failed ones: set fault_tolerance.min_committed_batch_fraction: 1")
+        return self
+
+    @property
+    def dynamic_sampling(self) -> FilterGroups | None:
+        """``algorithm.filter_groups`` when it is enabled (the ``top_up`` phase runs), else None."""
+        return self.algorithm.filter_groups if self.algorithm.filter_groups.enable else None
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> ExperimentConfig:

@@ -126,6 +126,10 @@ class ValidationFailed(PhaseFailed):
     """The data-quality gate refused an epoch's scored samples."""
 
 
+class TooFewGroups(ValidationFailed):
+    """DAPO's dynamic sampling drew its most rollout batches and still lacks groups whose rewards differ."""
+
+
 class BatchesMissing(PhaseFailed):
     """An epoch lacks more batches than ``min_committed_batch_fraction`` allows: a person reruns them or lowers it."""
 

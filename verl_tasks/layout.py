@@ -6,6 +6,7 @@
     <experiment>/data/{train,eval}/              normalised prompts, pinned on first run
     <experiment>/epochs/00003/plan/              prompt ids per batch, seeds, policy version
     <experiment>/epochs/00003/skipped/           batches the epoch went on without (only when some were)
+    <experiment>/epochs/00003/top_up/            dynamic sampling only: batches drawn, groups kept
     <experiment>/epochs/00003/rollout/b0007/     samples.jsonl
     <experiment>/epochs/00003/score/b0007/       scores.jsonl
     <experiment>/epochs/00003/validate/          report.json
@@ -77,6 +78,9 @@ class Layout:
 
     def skipped(self, epoch: int) -> str:
         return f"{self.epoch(epoch)}/skipped"
+
+    def top_up(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/top_up"
 
     def validate(self, epoch: int) -> str:
         return f"{self.epoch(epoch)}/validate"

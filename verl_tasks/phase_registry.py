@@ -26,7 +26,8 @@ class PhaseSpec:
         function: ``module:function`` of the phase, ``fn(ctx, epoch[, batch]) -> CommitRecord``.
         inputs: phases whose committed units this phase reads (documentation and DAG shape).
         doc: one sentence for the DAG's task docs.
-        only_with: a config section that must be set for the phase to exist (``critic``); None: always.
+        only_with: a config attribute that must not be None for the phase to exist (``critic``,
+            ``dynamic_sampling``); None: always.
     """
 
     name: str
@@ -78,7 +79,12 @@ PHASES: dict[str, PhaseSpec] = {
         _spec("score", True, ("rollout",),
               "One task instance per batch. Writes `epochs/NNNNN/score/bBBBB/scores.jsonl` (reward function in a "
               "sandbox)."),
-        _spec("validate", False, ("score",),
+        _spec("top_up", False, ("score",),
+              "DAPO's dynamic sampling only (algorithm.filter_groups): leaves out prompts whose samples scored "
+              "alike and draws the plan's extra rollout batches (each its own committed rollout and score unit) "
+              "until the epoch is full; writes `top_up/selection.json` or fails at max_batches.",
+              only_with="dynamic_sampling"),
+        _spec("validate", False, ("score", "top_up"),
               "Great Expectations gate on the epoch's scored samples; writes `validate/report.json` or fails."),
         _spec("critic", False, ("validate",),
               "PPO only (a critic section): the critic's values of the epoch's samples, their GAE advantages and "

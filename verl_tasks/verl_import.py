@@ -129,8 +129,16 @@ RULES: tuple[Rule, ...] = (
     Rule("algorithm.lam", "algorithm.lam", "same"),
     Rule("algorithm.use_kl_in_reward", None, "refused when true: verl-tasks puts KL in the loss only "
          "(use_kl_loss)", _refuse("KL in the reward is not built; use actor_rollout_ref.actor.use_kl_loss")),
-    Rule("algorithm.filter_groups.enable", None, "refused when true: DAPO's dynamic sampling is not built",
-         _refuse("DAPO's dynamic sampling (filter_groups) is not built in verl-tasks")),
+    Rule("algorithm.filter_groups.enable", "algorithm.filter_groups.enable", "DAPO's dynamic sampling (the "
+         "top_up task draws extra rollout batches)"),
+    Rule("algorithm.filter_groups.max_num_gen_batches", "algorithm.filter_groups.max_batches", "the same prompt "
+         "budget in rollout batches: times data.gen_batch_size (default train_batch_size) over "
+         "rollout.prompts_per_batch; 0 (no limit) is refused: an epoch's possible batches are planned ahead"),
+    Rule("algorithm.filter_groups.metric", None, "groups are told apart by their score (acc, score, seq_reward "
+         "and seq_final_reward all read the outcome score here)", _one_of(
+             ("acc", "score", "seq_reward", "seq_final_reward"), "filter_groups.metric")),
+    Rule("data.gen_batch_size", None, "read by filter_groups.max_num_gen_batches (the prompts of one verl "
+         "generation round)"),
     Rule("data.train_files", "data.train", "one .parquet or .jsonl file (verl's record format)", _single_file),
     Rule("data.val_files", "data.eval", "one .parquet or .jsonl file; greedy held-out accuracy", _single_file),
     Rule("data.max_prompt_length", "data.max_prompt_tokens", "same (a longer prompt is a data error)"),
@@ -354,6 +362,24 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
+def _dynamic_sampling(values: dict[str, Any], out: dict[str, Any], result: Imported,
+                      number: Callable[..., Any]) -> None:
+    """``algorithm.filter_groups``: verl draws up to ``max_num_gen_batches`` rounds of ``gen_batch_size``
+    prompts; the same budget here is counted in rollout batches of ``rollout.prompts_per_batch``."""
+    key = "algorithm.filter_groups.max_num_gen_batches"
+    rounds = number(key, minimum=0) if values.get(key) is not None else 0
+    if rounds == 0:
+        result.refused[key] = (f"{key}=0 (no limit): verl-tasks plans the batches an epoch may draw ahead; set "
+                               f"a maximum (verl's DAPO recipe uses 10)")
+        return
+    per_round = number("data.gen_batch_size", minimum=1) if values.get("data.gen_batch_size") else \
+        number("data.train_batch_size", minimum=1)
+    per_batch = out["rollout"]["prompts_per_batch"]
+    _set(out, "algorithm.filter_groups.enable", True)
+    _set(out, "algorithm.filter_groups.max_batches", max(out["rollout"]["batches_per_epoch"] + 1,
+                                                         -(-rounds * per_round // per_batch)))
+
+
 def _critic(values: dict[str, Any], given: dict[str, Any], out: dict[str, Any], result: Imported,
             take: Callable[[str], Any], number: Callable[..., Any]) -> None:
     """The critic section of a gae experiment, from verl's ``critic.*`` keys (its defaults where unset)."""
@@ -493,6 +519,8 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
         if f"reward_model.overlong_buffer.{part}" in values:
             put(f"rewards.overlong_buffer.{part}", f"reward_model.overlong_buffer.{part}")
 
+    if values.get("algorithm.filter_groups.enable"):
+        _dynamic_sampling(values, out, result, number)
     if values["algorithm.adv_estimator"] == "gae":
         _critic(values, given, out, result, take, number)
     else:  # verl builds no critic without gae either: its keys set nothing

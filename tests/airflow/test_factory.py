@@ -146,3 +146,15 @@ def test_a_ppo_dag_runs_the_critic_between_the_gate_and_the_update(tmp_path):
         assert dag.get_task(f"{group}.update").upstream_task_ids == {f"{group}.validate", f"{group}.critic"}
     assert dag.get_task("epoch_000.critic").pool == "verl_gpu"
     assert not [t for t in build_dag(TINY).task_ids if t.endswith(".critic")]
+
+
+def test_dynamic_sampling_tops_the_epoch_up_before_the_gate(tmp_path):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["algorithm"]["filter_groups"] = {"enable": True, "max_batches": 3 * raw["rollout"]["batches_per_epoch"]}
+    path = tmp_path / "dapo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dag = build_dag(path)
+    assert dag.get_task("epoch_000.top_up").upstream_task_ids == {"epoch_000.score"}
+    assert dag.get_task("epoch_000.validate").upstream_task_ids == {"epoch_000.score", "epoch_000.top_up"}
+    assert dag.get_task("epoch_000.top_up").pool == "verl_gpu"  # it rolls out the extra batches
+    assert not [t for t in build_dag(TINY).task_ids if t.endswith(".top_up")]

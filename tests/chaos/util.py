@@ -23,6 +23,11 @@ CHAOS = {"epochs": EPOCHS, "evaluate.every": 0, "evaluate.max_prompts": 8}
 RESULTS = ROOT / "benchmarks" / "results" / "chaos.json"
 
 
+def small_batches() -> int:
+    """The planned rollout batches of an epoch of the chaos config."""
+    return int(overrides()["rollout.batches_per_epoch"])
+
+
 def overrides(**extra: Any) -> dict[str, Any]:
     return small_overrides(**{**CHAOS, **extra})
 

@@ -38,7 +38,7 @@ GPU_POOL = "verl_gpu"
 # Keys whose bound the form's description spells out: those that scale a run's work.
 _SCALING = ("algorithm.group_size", "algorithm.ppo_epochs", "rollout.max_new_tokens", "rollout.prompts_per_batch",
             "evaluate.max_prompts")
-GPU_PHASES = ("rollout", "critic", "update")
+GPU_PHASES = ("rollout", "top_up", "critic", "update")
 
 RETRY_DOC = (
     "\n\n**Retry / Clear**: the task first looks for its unit's `_SUCCESS` marker and returns at once if it "
@@ -191,6 +191,8 @@ def build_dag(yaml_path: str | Path, *, dag_id: str | None = None, backend: str 
                     else:
                         tasks[phase] = VerlPhaseOperator(**kwargs)
                 previous >> tasks["plan"] >> tasks["rollout"] >> tasks["score"] >> tasks["validate"]
+                if "top_up" in tasks:  # dynamic sampling: extra batches before the gate reads the epoch's
+                    tasks["score"] >> tasks["top_up"] >> tasks["validate"]
                 if "critic" in tasks:  # PPO: the policy update reads the advantages the critic computed
                     tasks["validate"] >> tasks["critic"] >> tasks["update"]
                 tasks["validate"] >> tasks["update"] >> tasks["snapshot"] >> tasks["evaluate"]

@@ -26,7 +26,7 @@ GATE_KIND = "gate"  # validate: Great Expectations, no policy
 CPU_KIND = "cpu"
 # Rollout, update and evaluate sharing GPUs (``placement.gpu_phases``): one pool whose actors run all three.
 GPU_KIND = "gpu"
-GPU_PHASES = ("rollout", "critic", "update", "evaluate")
+GPU_PHASES = ("rollout", "top_up", "critic", "update", "evaluate")
 
 
 def pool_kind(phase: str) -> str:

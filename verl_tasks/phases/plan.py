@@ -9,11 +9,30 @@ from verl_tasks.phases.prepare import prepare, train_rows
 from verl_tasks.store.units import CommitRecord, UnitWriter
 
 
+def extra_batches(cfg: Any, epoch: int, ids: list[str], chosen: set[str]) -> list[dict[str, Any]]:
+    """The batches dynamic sampling may draw after the epoch's own (none without it)."""
+    groups = cfg.dynamic_sampling
+    if groups is None:
+        return []
+    first, size = cfg.rollout.batches_per_epoch, cfg.rollout.prompts_per_batch
+    others = [pid for pid in ids if pid not in chosen] or list(ids)
+    random.Random(derive_seed(cfg.seed, epoch, "plan-extra")).shuffle(others)
+    needed = (groups.max_batches - first) * size
+    order = (others * (needed // len(others) + 1))[:needed]
+    return [{"batch": b, "prompt_ids": order[(b - first) * size : (b - first + 1) * size],
+             "seed": derive_seed(cfg.seed, epoch, "rollout", b), "extra": True}
+            for b in range(first, groups.max_batches)]
+
+
 def plan(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """Deterministic: a seeded permutation of the pinned train prompts, cut into batches.
 
     Epochs walk through the permutation of their "pass" over the data, so every
-    prompt is used once per pass before any repeats.
+    prompt is used once per pass before any repeats. With DAPO's dynamic sampling
+    (``algorithm.filter_groups``) the plan also lists the batches the epoch may draw
+    beyond its own, up to ``max_batches``: prompts of another seeded permutation
+    of the data, less the epoch's own (repeating when the data runs out), each batch
+    with its own seed. Only ``top_up`` rolls them out, and only as many as it needs.
     """
     prepare(ctx)
     cfg = ctx.config
@@ -32,6 +51,7 @@ def plan(ctx: PhaseContext, epoch: int) -> CommitRecord:
              "seed": derive_seed(cfg.seed, epoch, "rollout", b)}
             for b in range(cfg.rollout.batches_per_epoch)
         ]
+        batches += extra_batches(cfg, epoch, ids, set(chosen))
         writer.write_json(
             "plan.json",
             {
@@ -42,6 +62,7 @@ def plan(ctx: PhaseContext, epoch: int) -> CommitRecord:
                 "update_seed": derive_seed(cfg.seed, epoch, "update"),
             },
         )
-        return {"batches": len(batches), "prompts": len(chosen), "policy_version": epoch}
+        return {"batches": cfg.rollout.batches_per_epoch, "extra_batches": len(batches) - cfg.rollout.batches_per_epoch,
+                "prompts": len(chosen), "policy_version": epoch}
 
     return run_unit(ctx, "plan", ctx.layout.plan(epoch), epoch, produce)

@@ -51,9 +51,10 @@ class PolicyState:
 class UpdateSource:
     """Everything the update of ``epoch`` reads.
 
-    ``samples``: the epoch's rollout samples joined with their scores, in (batch, sample) order,
-    skipped batches left out. ``start``: the policy trained; ``reference``: the base policy the KL
-    term compares with (None without KL). ``first_step``: the global optimizer step it starts from.
+    ``samples``: the epoch's rollout samples joined with their scores (and ``batch``), in (batch, sample)
+    order, skipped batches left out; with dynamic sampling, the groups ``top_up`` kept, in its order.
+    ``start``: the policy trained; ``reference``: the base policy the KL term compares with (None without KL).
+    ``first_step``: the global optimizer step it starts from.
     ``single_step``: the epoch is one optimizer step over all samples, so the old log-probs are the
     step's own. ``advantages``: ``[B, R]``, the critic phase's GAE advantages (None: the update computes
     them with ``algorithm.adv_estimator``).
@@ -90,7 +91,13 @@ def read_update_source(ctx: PhaseContext, epoch: int, *, critic: bool = True) ->
         rows = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, b), "rollout"), "samples.jsonl")
         scored = read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")
         scores = {r["sample_id"]: r["score"] for r in scored}
-        samples.extend({**row, "score": scores[row["sample_id"]]} for row in rows)
+        samples.extend({**row, "score": scores[row["sample_id"]], "batch": b} for row in rows)
+    if ctx.config.dynamic_sampling is not None:  # the groups top_up kept, in its (draw) order
+        from verl_tasks.phases.top_up import read_selection
+
+        order = {(b, prompt): i for i, (b, prompt) in enumerate(read_selection(ctx, epoch)["groups"])}
+        samples = sorted((s for s in samples if (s["batch"], s["prompt_id"]) in order),
+                         key=lambda s: order[(s["batch"], s["prompt_id"])])
     check_not_pruned(ctx.store, ctx.layout, version)  # here, not in a worker: not retried
     record = require(ctx, ctx.layout.snapshot(version), "snapshot")
     first_step = read_json(ctx.store, record, TRAINER_STATE).get("step", 0) if TRAINER_STATE in record.files else 0

@@ -21,7 +21,12 @@ from verl_tasks.store.units import CommitRecord, UnitWriter, check_not_fenced, r
 
 
 def epoch_batches(ctx: PhaseContext, epoch: int) -> list[int]:
-    """The batches validate and update read: all of the epoch's, less those recorded as skipped."""
+    """The batches validate and update read: all of the epoch's, less those recorded as skipped; with dynamic
+    sampling, every batch ``top_up`` drew (no batch is skipped then)."""
+    if ctx.config.dynamic_sampling is not None:
+        from verl_tasks.phases.top_up import read_selection
+
+        return list(read_selection(ctx, epoch)["batches"])
     skipped = set(read_skipped(ctx.store, ctx.layout, epoch))
     return [b for b in range(ctx.config.rollout.batches_per_epoch) if b not in skipped]
 
