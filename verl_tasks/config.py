@@ -208,8 +208,9 @@ class AlgorithmConfig(Strict):
     name: Literal["grpo"] = "grpo"
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"] = \
         Field("grpo", description="verl's algorithm.adv_estimator: grpo (Dr. GRPO with norm_adv_by_std: false), "
-                                  "rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO: needs the "
-                                  "critic section); remax is refused until its greedy baselines are built")
+                                  "rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax (each prompt's "
+                                  "greedy answer rolled out and scored as its baseline), gae (PPO: needs the critic "
+                                  "section)")
     policy_loss: Literal["vanilla", "gspo"] = Field(
         "vanilla", description="verl's actor.policy_loss.loss_mode: vanilla (clipped, dual clip; DAPO's clip-higher "
                                "with clip_ratio_high > clip_ratio_low) or gspo (sequence-level ratio)")
@@ -247,14 +248,6 @@ class AlgorithmConfig(Strict):
                 raise ValueError(f"algorithm.betas {list(value)}: each must be a number in [0, 1) (AdamW's "
                                  f"moment decays; the usual values are 0.9 and 0.999)")
         return value
-
-    @model_validator(mode="after")
-    def _estimator_is_built(self) -> AlgorithmConfig:
-        if self.adv_estimator == "remax":
-            raise ValueError("algorithm.adv_estimator 'remax' needs the greedy baseline answer of each prompt, rolled "
-                             "out and scored with the batch, which verl-tasks does not build yet; use grpo, rloo, "
-                             "reinforce_plus_plus, reinforce_plus_plus_baseline or gae (with a critic section)")
-        return self
 
     @model_validator(mode="after")
     def _std_needs_groups(self) -> AlgorithmConfig:

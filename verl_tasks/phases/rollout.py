@@ -1,4 +1,9 @@
-"""Generate a group of ``n`` samples for each prompt of one planned batch."""
+"""Generate a group of ``n`` samples for each prompt of one planned batch.
+
+With ReMax (``algorithm.adv_estimator: remax``) the unit also holds each prompt's greedy answer
+(``baselines.jsonl``), generated from the same policy in the same attempt: the baseline is committed with
+the samples it is compared to, so a retried score or update never generates it again.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -10,9 +15,15 @@ from verl_tasks.phases.common import PhaseContext, require, run_unit, sampling_p
 from verl_tasks.phases.prepare import train_rows
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_json
 
+BASELINES = "baselines.jsonl"
+
 
 def sample_id(epoch: int, batch: int, prompt_id: str, index: int) -> str:
     return f"e{epoch:05d}-b{batch:04d}-{prompt_id}-s{index:02d}"
+
+
+def baseline_id(epoch: int, batch: int, prompt_id: str) -> str:
+    return f"e{epoch:05d}-b{batch:04d}-{prompt_id}-greedy"
 
 
 def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
@@ -59,6 +70,14 @@ def rollout(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
                 }
             )
         writer.write_jsonl("samples.jsonl", samples)
+        if cfg.algorithm.adv_estimator == "remax":
+            greedy = SamplingSpec(n=1, temperature=1.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                                  seed=spec_batch["seed"], greedy=True)
+            writer.write_jsonl(BASELINES, [
+                {"sample_id": baseline_id(epoch, batch, prompts[gen.prompt_index]["id"]),
+                 "prompt_id": prompts[gen.prompt_index]["id"], "response_ids": gen.response_ids,
+                 "response": gen.text, "finished": gen.finished}
+                for gen in get_engine(cfg.rollout.engine)(policy, prompt_ids, greedy, engine_options(cfg))])
         finished = sum(s["finished"] for s in samples)
         return {"samples": len(samples), "finished_fraction": finished / max(1, len(samples)), "device": policy.device,
                 "engine": cfg.rollout.engine}

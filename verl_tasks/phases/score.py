@@ -7,8 +7,11 @@ from typing import Any
 from verl_tasks.errors import RewardFailureRate
 from verl_tasks.phases.common import PhaseContext, require, run_unit
 from verl_tasks.phases.prepare import train_rows
+from verl_tasks.phases.rollout import BASELINES
 from verl_tasks.rewards.sandbox import scoring_sandbox
 from verl_tasks.store.units import CommitRecord, UnitWriter, read_jsonl
+
+BASELINE_SCORES = "baseline_scores.jsonl"
 
 
 def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
@@ -16,7 +19,11 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
     unit = ctx.layout.score(epoch, batch)
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
-        samples = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, batch), "rollout"), "samples.jsonl")
+        record = require(ctx, ctx.layout.rollout(epoch, batch), "rollout")
+        drawn = read_jsonl(ctx.store, record, "samples.jsonl")
+        # ReMax: each prompt's greedy answer is scored with the samples, the same way (its reward is the baseline).
+        baselines = read_jsonl(ctx.store, record, BASELINES) if BASELINES in record.files else []
+        samples = drawn + baselines
         rows = {row["id"]: row for row in train_rows(ctx)}
         requests = [
             {
@@ -56,11 +63,13 @@ def score(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
                 f"rewards.max_failure_fraction {cfg.max_failure_fraction:.0%}); e.g. {examples}. Fix "
                 f"{cfg.function} or raise the threshold",
             )
-        writer.write_jsonl(
-            "scores.jsonl",
-            [{"sample_id": s["sample_id"], "score": value} for s, value in zip(samples, result.scores, strict=True)],
-        )
-        mean = sum(result.scores) / max(1, len(result.scores))
-        return {"samples": len(samples), "reward_mean": mean, "failed_samples": result.failures}
+        scored = [{"sample_id": s["sample_id"], "score": value}
+                  for s, value in zip(samples, result.scores, strict=True)]
+        writer.write_jsonl("scores.jsonl", scored[: len(drawn)])
+        if baselines:
+            writer.write_jsonl(BASELINE_SCORES, scored[len(drawn):])
+        scores = result.scores[: len(drawn)]
+        mean = sum(scores) / max(1, len(scores))
+        return {"samples": len(drawn), "reward_mean": mean, "failed_samples": result.failures}
 
     return run_unit(ctx, "score", unit, epoch, produce, batch=batch)

@@ -16,6 +16,8 @@ import torch
 
 from verl_tasks.errors import PhaseFailed
 from verl_tasks.phases.common import PhaseContext, require
+from verl_tasks.phases.rollout import baseline_id
+from verl_tasks.phases.score import BASELINE_SCORES
 from verl_tasks.phases.validate import epoch_batches
 from verl_tasks.store.conventions import TRAINER_STATE, WEIGHTS, check_not_pruned, optimizer_state_id
 from verl_tasks.store.units import CommitRecord, read_bytes, read_json, read_jsonl
@@ -91,6 +93,10 @@ def read_update_source(ctx: PhaseContext, epoch: int, *, critic: bool = True) ->
         rows = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, b), "rollout"), "samples.jsonl")
         scored = read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")
         scores = {r["sample_id"]: r["score"] for r in scored}
+        if algo.adv_estimator == "remax":  # each sample's baseline: its prompt's greedy answer's reward
+            greedy = read_jsonl(ctx.store, scored_record(ctx, epoch, b), BASELINE_SCORES)
+            baselines = {r["sample_id"]: r["score"] for r in greedy}
+            rows = [{**row, "baseline_score": baselines[baseline_id(epoch, b, row["prompt_id"])]} for row in rows]
         samples.extend({**row, "score": scores[row["sample_id"]], "batch": b} for row in rows)
     if ctx.config.dynamic_sampling is not None:  # the groups top_up kept, in its (draw) order
         from verl_tasks.phases.top_up import read_selection
@@ -109,6 +115,15 @@ def read_update_source(ctx: PhaseContext, epoch: int, *, critic: bool = True) ->
                         start=PolicyState(version, record), reference=reference, first_step=int(first_step),
                         single_step=algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples),
                         advantages=critic_advantages(ctx, epoch, samples) if critic and ctx.config.critic else None)
+
+
+def scored_record(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
+    """The score unit of ``batch``; one scored before ReMax's baselines existed lacks them: it says so."""
+    record = require(ctx, ctx.layout.score(epoch, batch), "score")
+    if BASELINE_SCORES not in record.files:
+        raise PhaseFailed(record.unit, "ReMax needs the greedy baselines' scores, which this score unit lacks; "
+                                       "clear the rollout and score tasks of this batch to compute them")
+    return record
 
 
 def critic_advantages(ctx: PhaseContext, epoch: int, samples: list[dict[str, Any]]) -> torch.Tensor:

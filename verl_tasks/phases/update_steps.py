@@ -96,9 +96,11 @@ def epoch_inputs(samples: list[dict[str, Any]], pad_id: int, algo: AlgorithmConf
     data = collate(samples, pad_id)
     mask = data["response_mask"]
     if advantages is None:
+        baselines = (torch.tensor([s["baseline_score"] for s in samples], dtype=torch.float32)
+                     if algo.adv_estimator == "remax" else None)
         advantages, _returns = estimator(algo.adv_estimator)(AdvantageInputs(
             outcome_rewards(samples, mask), mask, [s["prompt_id"] for s in samples],
-            norm_adv_by_std=algo.norm_adv_by_std, gamma=algo.gamma, lam=algo.lam))
+            norm_adv_by_std=algo.norm_adv_by_std, gamma=algo.gamma, lam=algo.lam, reward_baselines=baselines))
     elif advantages.shape != mask.shape:
         raise ValueError(f"advantages of shape {tuple(advantages.shape)} for a batch of {tuple(mask.shape)}")
     scale = None
