@@ -21,8 +21,8 @@ same `key=value` words a `python -m verl.trainer.main_ppo ...` line ends with, a
     verl-tasks run my-run.yaml
 
 Every key the experiment does not express is listed, with why, on the terminal and at the top of the written
-YAML; a value verl-tasks cannot run (LoRA, unbounded dynamic sampling, a reward model, sglang, a critic
-warm-up) is refused there, by key. When a key is refused, or the result does not load, the command writes the file for
+YAML; a value verl-tasks cannot run (unbounded dynamic sampling, a reward model, sglang, a critic warm-up)
+is refused there, by key. When a key is refused, or the result does not load, the command writes the file for
 you to edit and exits 2 with the reason. A reference (`${...}`) it cannot resolve, or a value of the wrong
 type, is an error naming the key; nothing is written.
 

@@ -72,15 +72,16 @@ def test_critic_keys_that_verl_tasks_cannot_honour_are_refused_and_ignored_witho
 
 
 def test_refused_values_name_the_key_and_the_reason():
-    result = import_verl(None, ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.model.lora_rank=8",
-                                "algorithm.filter_groups.enable=true", "actor_rollout_ref.actor.kl_loss_type=k3+",
+    result = import_verl(None, ["actor_rollout_ref.rollout.name=sglang", "trainer.critic_warmup=2",
+                                "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true",
+                                "actor_rollout_ref.actor.kl_loss_type=k3+",
                                 "actor_rollout_ref.actor.use_kl_loss=true", "data.train_files=[a.parquet,b.parquet]",
                                 "trainer.total_training_steps=2", "trainer.made_up_key=1"])
-    assert set(result.refused) == {"actor_rollout_ref.rollout.name", "actor_rollout_ref.model.lora_rank",
+    assert set(result.refused) == {"actor_rollout_ref.rollout.name", "trainer.critic_warmup",
                                    "algorithm.filter_groups.max_num_gen_batches",
                                    "actor_rollout_ref.actor.kl_loss_type", "data.train_files"}, result.refused
     assert set(result.unmapped) == {"trainer.made_up_key"}, result.unmapped
-    assert "LoRA" in result.refused["actor_rollout_ref.model.lora_rank"]
+    assert "critic_warmup > 0" in result.refused["trainer.critic_warmup"]
     assert "(no limit)" in result.refused["algorithm.filter_groups.max_num_gen_batches"]
     assert "2 files" in result.refused["data.train_files"]
 
@@ -101,13 +102,22 @@ def test_dapo_dynamic_sampling_keeps_verls_prompt_budget():
     parse_config({**exp, "storage": {"uri": "file:///unused"}})
 
 
+def test_verl_lora_keys_become_the_lora_section():
+    result = import_verl(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.lora_rank=32",
+                                "actor_rollout_ref.model.lora_alpha=64",
+                                "actor_rollout_ref.model.target_modules=all-linear",
+                                "actor_rollout_ref.rollout.load_format=safetensors", "trainer.total_training_steps=2"])
+    assert result.experiment["model"]["lora"] == {"rank": 32, "alpha": 64.0, "target_modules": "all-linear"}
+    assert not result.refused and "actor_rollout_ref.rollout.load_format" in result.not_needed
+
+
 def test_a_refused_key_fails_the_command_and_is_listed_in_the_file(tmp_path):
-    out = tmp_path / "lora.yaml"
-    run = cli("import-verl", "-o", str(out), "actor_rollout_ref.model.lora_rank=8", "trainer.total_training_steps=2")
+    out = tmp_path / "sglang.yaml"
+    run = cli("import-verl", "-o", str(out), "actor_rollout_ref.rollout.name=sglang", "trainer.total_training_steps=2")
     assert run.returncode == 2, run.stdout + run.stderr
     said = " ".join((run.stdout + run.stderr).split())
-    assert "refused: actor_rollout_ref.model.lora_rank:" in said and "cannot run what 1 key(s) ask" in said, said
-    assert "# refused: actor_rollout_ref.model.lora_rank: " in out.read_text()
+    assert "refused: actor_rollout_ref.rollout.name:" in said and "cannot run what 1 key(s) ask" in said, said
+    assert "# refused: actor_rollout_ref.rollout.name: " in out.read_text()
 
 
 def test_a_key_cannot_leave_its_comment_line(tmp_path):

@@ -478,14 +478,17 @@ def checkpoint_export_hf(
     uri: str = typer.Argument(..., help="a snapshot URI (.../EXP/snapshots/00003)"),
     target: Path = typer.Argument(..., help="new folder for the HF model (config, safetensors, tokenizer)"),
     endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+    merge: bool = typer.Option(False, "--merge", help="a LoRA snapshot: merge its adapter into the base's weights "
+                                                      "(a full HF folder); default: PEFT's adapter folder"),
 ) -> None:
-    """Write a folder `AutoModelForCausalLM.from_pretrained` loads (verified, no optimizer state)."""
+    """Write a folder `AutoModelForCausalLM.from_pretrained` loads (verified, no optimizer state); a LoRA
+    snapshot gives PEFT's adapter folder, or with --merge the base with the adapter merged in."""
     _setup_logging(False)
     from verl_tasks.ops import checkpoint as ops
 
     try:
         refs = ops.refs(uri, endpoint_url)
-        files = ops.export_hf(refs[-1], target)
+        files = ops.export_hf(refs[-1], target, merge=merge)
     except VerlTasksError as err:
         _fail(err)
     console.print(f"exported {refs[-1].store.url(refs[-1].unit)} to {target} ({len(files)} files)")

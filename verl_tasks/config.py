@@ -39,7 +39,7 @@ ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps
                     "algorithm.adv_estimator": "grpo", "algorithm.policy_loss": "vanilla", "algorithm.gamma": 1.0,
                     "algorithm.lam": 1.0, "algorithm.loss_scale_factor": None,
                     "rewards.overlong_buffer": {"enable": False, "len": 0, "penalty_factor": 1.0},
-                    "algorithm.filter_groups": {"enable": False, "max_batches": None}}
+                    "algorithm.filter_groups": {"enable": False, "max_batches": None}, "model.lora": None}
 # What engines sharing one GPU may take of its memory together (CUDA contexts and the framework need the rest).
 SHARED_GPU_MEMORY = 0.9
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
@@ -104,6 +104,19 @@ class TinyModelConfig(Strict):
         return self
 
 
+class LoraConfig(Strict):
+    """LoRA adapters (PEFT) on the policy's base: the update trains and commits the adapter only (and its AdamW
+    state); each snapshot after the base holds the adapter and names the base's weights; the KL reference is
+    the base with the adapter off. Rollout and evaluation load the base with the adapter merged in."""
+
+    rank: int = Field(8, gt=0, description="LoRA rank r (verl lora_rank)")
+    alpha: float = Field(16.0, gt=0, description="scaling alpha: the update is alpha/r x B A (verl lora_alpha)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (q_proj, v_proj, ...), or all-linear: every linear layer "
+                                  "but the LM head (verl target_modules)")
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
 class ModelConfig(Strict):
     """The policy. ``dtype`` is the compute dtype: generation (hf, vllm), the old and reference
     log-prob passes, and the update's forward and backward (under autocast, or FSDP2's mixed
@@ -120,6 +133,7 @@ class ModelConfig(Strict):
     trust_remote_code: bool = False
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU Ray assigned to the worker when CUDA sees one, else the CPU")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of the whole model")
 
     @model_validator(mode="after")
     def _hf_needs_path(self) -> ModelConfig:
@@ -643,6 +657,13 @@ class ExperimentConfig(Strict):
         if self.critic is not None and self.critic.name_or_path is not None and self.model.source != "hf":
             raise ValueError("critic.name_or_path names an HF model, but model.source is tiny (its tokenizer is the "
                              "built-in one); remove critic.name_or_path to put the value head on the policy's base")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_runs_in_one_process(self) -> ExperimentConfig:
+        if self.model.lora is not None and self.phase_resources("update").distributed:
+            raise ValueError("model.lora trains the adapter in one process: set resources.update.workers: 1 and "
+                             "strategy: ddp (an adapter's gradients are small; the group adds nothing here)")
         return self
 
     @model_validator(mode="after")

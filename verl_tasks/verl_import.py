@@ -149,8 +149,10 @@ RULES: tuple[Rule, ...] = (
     Rule("actor_rollout_ref.model.path", "model.name_or_path", "model.source: hf; a local folder (nothing is "
          "downloaded at run time)", _model_path),
     Rule("actor_rollout_ref.model.trust_remote_code", "model.trust_remote_code", "same"),
-    Rule("actor_rollout_ref.model.lora_rank", None, "refused when > 0: LoRA is not built",
-         _refuse("LoRA (lora_rank > 0) is not built in verl-tasks; train the full model")),
+    Rule("actor_rollout_ref.model.lora_rank", "model.lora.rank", "> 0: LoRA through PEFT (0: the full model)"),
+    Rule("actor_rollout_ref.model.lora_alpha", "model.lora.alpha", "same (with lora_rank > 0)"),
+    Rule("actor_rollout_ref.model.target_modules", "model.lora.target_modules", "all-linear or a list of module "
+         "names (with lora_rank > 0)"),
     Rule("actor_rollout_ref.actor.optim.lr", "algorithm.lr", "same"),
     Rule("actor_rollout_ref.actor.optim.weight_decay", "algorithm.weight_decay", "same (verl's default 0.01)"),
     Rule("actor_rollout_ref.actor.optim.betas", "algorithm.betas", "same"),
@@ -243,6 +245,10 @@ NOT_NEEDED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.ref.*", "the reference is the base snapshot; its micro-batch is the update's"),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "log-probs use the update's micro-batch"),
     ("actor_rollout_ref.model.use_remove_padding", "an implementation choice of verl's actor"),
+    ("actor_rollout_ref.model.use_shm", "how verl loads a model; nothing is downloaded here"),
+    ("actor_rollout_ref.rollout.load_format", "how verl's vLLM loads weights; a LoRA version is handed to the "
+     "engine merged into the base"),
+    ("actor_rollout_ref.rollout.layered_summon", "how verl gathers FSDP-sharded LoRA weights"),
     ("actor_rollout_ref.model.enable_gradient_checkpointing", "an implementation choice of verl's actor"),
     ("data.filter_overlong_prompts", "a prompt longer than data.max_prompt_tokens is a data error, named"),
     ("data.truncation", "a prompt longer than data.max_prompt_tokens is a data error, named"),
@@ -519,6 +525,14 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
         if f"reward_model.overlong_buffer.{part}" in values:
             put(f"rewards.overlong_buffer.{part}", f"reward_model.overlong_buffer.{part}")
 
+    rank = values.get("actor_rollout_ref.model.lora_rank")
+    if rank:
+        _set(out, "model.lora.rank", number("actor_rollout_ref.model.lora_rank", minimum=1))
+        if values.get("actor_rollout_ref.model.lora_alpha") is not None:
+            _set(out, "model.lora.alpha", number("actor_rollout_ref.model.lora_alpha", float))
+        modules = values.get("actor_rollout_ref.model.target_modules")
+        if modules is not None:
+            _set(out, "model.lora.target_modules", modules if modules == "all-linear" else list(modules))
     if values.get("algorithm.filter_groups.enable"):
         _dynamic_sampling(values, out, result, number)
     if values["algorithm.adv_estimator"] == "gae":

@@ -1,7 +1,9 @@
-"""Chaos, verl recipes: PPO's critic update and a dynamic-sampling extra batch die mid-unit and are tried again.
+"""Chaos, verl recipes: PPO's critic update, a dynamic-sampling extra batch and a LoRA update die mid-unit and are
+tried again.
 
 PPO: the critic's update is killed (the process exits) or raises an OOM-like error; DAPO's dynamic sampling:
-the process dies while committing an extra rollout batch, or an extra batch's scoring fails once. Each test
+the process dies while committing an extra rollout batch, or an extra batch's scoring fails once; LoRA: the
+adapter's update fails once. Each test
 asserts what the chaos matrix asserts (every unit committed once, no sample lost or counted twice) and that
 the final weights (with PPO, the policy's and the critic's) equal the fault-free run's, byte for byte: a
 retried unit starts again from committed inputs, and the extra batches already committed are not redone.
@@ -173,4 +175,32 @@ def test_dynamic_sampling_extra_batch_scoring_fails_once_then_retry(dynamic_refe
     failed = [e["unit"] for e in read_events(ctx.store, ctx.layout) if e["kind"] == "failed"]
     assert ctx.layout.score(epoch_at, batch_at) in failed and ctx.layout.top_up(epoch_at) in failed, failed
     assert util.latest_sha(ctx.store, ctx.layout) == dynamic_reference["sha"]
+    util.assert_exactly_once(ctx.store, ctx.layout, ctx.config)
+
+
+LORA = {"model.lora": {"rank": 4, "alpha": 8}, "algorithm.lr": 1e-3}
+
+
+def test_lora_update_oom_once_then_retry(tmp_path, fault_hooks):
+    """LoRA: the adapter's update raises an OOM-like error once; the retried update commits the same adapter
+    and optimizer bytes as a fault-free run's."""
+    clean = make_context(util.config(f"file://{tmp_path}/clean", **LORA))
+    train(clean, util.EPOCHS)
+    epoch_at = random.Random(util.SEED + 35).randrange(util.EPOCHS)
+    ctx = make_context(util.config(f"file://{tmp_path}/store", **LORA, **{"fault_tolerance.retry_delay_s": 0}))
+    fired = []
+
+    def oom(**info):
+        if info["epoch"] == epoch_at and info["step"] == 1 and not fired:
+            fired.append(info)
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    fault_hooks["update_step"] = oom
+    train(ctx, util.EPOCHS)
+    assert fired
+    for epoch in range(util.EPOCHS):
+        got, want = (read_marker(c.store, c.layout.update(epoch)).files for c in (ctx, clean))
+        assert {n: e.sha256 for n, e in got.items() if n.endswith(".safetensors")} == \
+            {n: e.sha256 for n, e in want.items() if n.endswith(".safetensors")}
+    assert util.latest_sha(ctx.store, ctx.layout) == util.latest_sha(clean.store, clean.layout)
     util.assert_exactly_once(ctx.store, ctx.layout, ctx.config)

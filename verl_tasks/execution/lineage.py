@@ -43,7 +43,7 @@ def parent_snapshot(store: ObjectStore, experiment: str, version: int) -> Commit
     """The committed, unpruned snapshot ``version`` of ``experiment``.
 
     Raises:
-        ConfigError: it is not committed.
+        ConfigError: it is not committed, or it is a LoRA adapter (a base must hold whole weights).
         SnapshotPruned: retention deleted its weights (the message names the newest kept one).
     """
     layout = Layout(experiment)
@@ -52,6 +52,10 @@ def parent_snapshot(store: ObjectStore, experiment: str, version: int) -> Commit
     if record is None:
         raise ConfigError(f"experiment {experiment!r} has no committed snapshot {version} ({unit})")
     conventions.check_not_pruned(store, layout, version)
+    if conventions.is_adapter(record):
+        raise ConfigError(f"snapshot {version} of {experiment!r} is a LoRA adapter, and a new experiment's base "
+                          f"holds whole weights: export it merged (verl-tasks checkpoint export-hf "
+                          f"{store.url(unit)} FOLDER --merge) and start from that folder (model.source: hf)")
     return record
 
 

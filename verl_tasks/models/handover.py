@@ -102,7 +102,7 @@ def fetch(config: Any, record: CommitRecord) -> dict[str, torch.Tensor] | None:
     from verl_tasks.store.conventions import WEIGHTS
 
     ray = _connected_ray()
-    if ray is None:
+    if ray is None or WEIGHTS not in record.files:  # no Ray, or a LoRA adapter (not handed over)
         return None
     sha = record.files[WEIGHTS].sha256
     try:
@@ -137,6 +137,8 @@ def local_folder(record: CommitRecord) -> Path | None:
     """The folder an earlier :func:`materialize` made for ``record``'s weights on this node, if any."""
     from verl_tasks.store.conventions import WEIGHTS
 
+    if WEIGHTS not in record.files:  # a LoRA adapter: never handed over (its merged folder is cached)
+        return None
     folder = _handover_root() / record.files[WEIGHTS].sha256
     if not (folder / WEIGHTS).is_file():
         return None

@@ -18,12 +18,15 @@ from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import OPTIMIZER_INDEX, check_optimizer_index, load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
 from verl_tasks.store.conventions import (
+    ADAPTER,
     TRAINING_ONLY,
     WEIGHTS,
+    is_adapter,
     is_critic_file,
     is_optimizer_state,
     read_best,
     snapshot_versions,
+    weights_sha256,
 )
 from verl_tasks.store.units import (
     CommitRecord,
@@ -142,7 +145,7 @@ def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
         return Verdict(ref.version, ref.unit, False, "FAILED", list(err.problems))
     if record is None:
         return Verdict(ref.version, ref.unit, False, "ABSENT", ["no _SUCCESS marker: not committed (or quarantined)"])
-    sha = record.files[WEIGHTS].sha256 if WEIGHTS in record.files else None
+    sha = weights_sha256(record) if WEIGHTS in record.files or ADAPTER in record.files else None
     size = sum(e.size for e in record.files.values())
     if is_pruned(ref.store, ref.unit):
         return Verdict(ref.version, ref.unit, True, "PRUNED", ["weights deleted by retention (metadata kept)"],
@@ -187,15 +190,17 @@ def inspect(ref: SnapshotRef) -> dict[str, Any]:
         "parent_version": parent,
         "attempt": record.attempt,
         "committed_at": record.committed_at,
-        "weights_sha256": record.files[WEIGHTS].sha256 if WEIGHTS in record.files else None,
+        "weights_sha256": weights_sha256(record) if WEIGHTS in record.files or ADAPTER in record.files else None,
         "sizes": {name: entry.size for name, entry in sorted(record.files.items())},
         "total_bytes": sum(e.size for e in record.files.values()),
         "metrics": state.get("metrics") or record.meta.get("metrics", {}),
     }
 
 
-def export_hf(ref: SnapshotRef, target: Path) -> list[Path]:
-    """Write a folder ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` load (no optimizer state).
+def export_hf(ref: SnapshotRef, target: Path, merge: bool = False) -> list[Path]:
+    """Write a folder ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` load (no optimizer state). A LoRA
+    snapshot gives PEFT's adapter folder (``PeftModel.from_pretrained`` on the base), or with ``merge`` the base
+    snapshot's weights with the adapter merged in; either is checked by a forward pass of the merged model.
 
     Raises:
         IntegrityError: a file does not match the manifest, or the folder does not load.
@@ -211,7 +216,20 @@ def export_hf(ref: SnapshotRef, target: Path) -> list[Path]:
              if n not in TRAINING_ONLY and not is_optimizer_state(n) and not is_critic_file(n)]
     with tempfile.TemporaryDirectory(dir=target.parent if target.parent.exists() else None) as tmp:
         folder = fetch(ref, record, Path(tmp) / "export", names)
-        problems = forward_check(folder)
+        checked = folder
+        if is_adapter(record):  # LoRA: the adapter on the base snapshot, merged to check it (and to export it)
+            from verl_tasks.models.lora import merge_into
+
+            base_ref = SnapshotRef(ref.store, ref.layout, 0)
+            base = read_marker(ref.store, base_ref.unit)
+            if base is None:
+                raise StoreError(f"{ref.store.url(base_ref.unit)}, the adapter's base, is not committed")
+            base_names = [n for n in sorted(base.files) if n not in TRAINING_ONLY and not is_optimizer_state(n)
+                          and not is_critic_file(n)]
+            checked = merge_into(fetch(base_ref, base, Path(tmp) / "base", base_names), folder, Path(tmp) / "merged")
+            if merge:
+                folder = checked
+        problems = forward_check(checked)
         if problems:
             raise IntegrityError(ref.unit, problems)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,15 @@ from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
-from verl_tasks.store.conventions import check_not_pruned, is_critic_file, is_optimizer_state, optimizer_state_id
+from verl_tasks.store.conventions import (
+    check_not_pruned,
+    is_adapter,
+    is_critic_file,
+    is_optimizer_state,
+    optimizer_state_id,
+    weights_file,
+    weights_sha256,
+)
 from verl_tasks.store.units import (
     CommitRecord,
     ConfigPin,
@@ -200,6 +209,8 @@ def _policy_folder(ctx: PhaseContext, version: int, record: CommitRecord | None,
                    optimizer: bool) -> tuple[Path, CommitRecord]:
     if record is None:
         record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
+    if is_adapter(record):
+        return _merged_folder(ctx, record), record
     names = _needed(record, weights, optimizer)
     if isinstance(ctx.store, LocalStore):
         folder = ctx.store.root / f"{record.unit}/.attempts/{record.attempt}"
@@ -223,6 +234,36 @@ def _policy_folder(ctx: PhaseContext, version: int, record: CommitRecord | None,
     os.utime(folder)
     _prune_policy_cache(folder)
     return folder, record
+
+
+def _merged_folder(ctx: PhaseContext, record: CommitRecord) -> Path:
+    """A LoRA snapshot as a full policy folder on this node: the base snapshot's weights (verified) with the
+    snapshot's adapter (verified) merged in, made once per adapter (keyed by its sha256) and kept like a
+    downloaded policy. What rollout and evaluation load, on either engine: no adapter code in their path."""
+    from verl_tasks.models.lora import merge_into
+
+    folder = CACHE_DIR / "policies" / f"lora-{weights_sha256(record)}"
+    if (folder / WEIGHTS).is_file():
+        os.utime(folder)
+        return folder
+    base_folder, _ = _policy_folder(ctx, 0, None, weights=True, optimizer=False)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    try:
+        adapter = work / "adapter"
+        adapter.mkdir()
+        for name in _needed(record, weights=True, optimizer=False):
+            download(ctx.store, record, name, adapter / name)
+            POLICY_BYTES["store"] += record.files[name].size
+        merged = merge_into(base_folder, adapter, work / "merged", ctx.config.model.train_dtype)
+        try:
+            merged.rename(folder)
+        except OSError:  # another process of this node made it first
+            pass
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _prune_policy_cache(folder)
+    return folder
 
 
 def _prune_policy_cache(using: Path) -> None:
@@ -251,7 +292,7 @@ def _verify_weights(path: Path, sha: str, unit: str) -> None:
 
 def _policy_key(ctx: PhaseContext, record: CommitRecord, dtype: str) -> PolicyKey:
     device = resolve_device(ctx.config.model.device)
-    return PolicyKey(record.files[WEIGHTS].sha256, dtype, str(device))
+    return PolicyKey(weights_sha256(record), dtype, str(device))
 
 
 def load_version(ctx: PhaseContext, version: int, record: CommitRecord | None = None
@@ -270,7 +311,7 @@ def load_version(ctx: PhaseContext, version: int, record: CommitRecord | None = 
     folder, record = policy_folder(ctx, version, record, weights=tensors is None)
     model, tokenizer, how = POLICIES.get(key, folder, tensors)
     if tensors is not None and how is not None:
-        POLICY_BYTES["memory"] += record.files[WEIGHTS].size
+        POLICY_BYTES["memory"] += record.files[weights_file(record)].size
     _record_load(ctx, version, key, how, "memory" if tensors is not None else "store")
     return model, tokenizer, folder
 

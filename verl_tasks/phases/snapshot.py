@@ -21,11 +21,11 @@ from verl_tasks.events import record_event
 from verl_tasks.phases.common import PhaseContext, committed, derive_seed, require, run_unit
 from verl_tasks.store.conventions import (
     KEEP_WHEN_PRUNED,
-    WEIGHTS,
     WRITTEN_BY_SNAPSHOT,
     is_critic_file,
     latest_version,
     read_retention,
+    weights_sha256,
     write_best,
     write_latest,
     write_retention,
@@ -161,7 +161,7 @@ def snapshot(ctx: PhaseContext, epoch: int) -> CommitRecord:
                 "metrics": metrics,
             },
         )
-        return {"version": version, "weights_sha256": update_rec.files[WEIGHTS].sha256, "metrics": metrics}
+        return {"version": version, "weights_sha256": weights_sha256(update_rec), "metrics": metrics}
 
     record = run_unit(ctx, "snapshot", ctx.layout.snapshot(version), epoch, produce)
     write_latest(ctx.store, ctx.layout, version, record)

@@ -131,6 +131,68 @@ def _train_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: Unit
     return per_step, hyper, ran, {"model": model, "tokenizer": tokenizer, "folder": folder, "optimizer": optimizer}
 
 
+def _train_lora_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: UnitWriter
+                     ) -> tuple[list[dict[str, float]], dict[str, Any], dict[str, Any]]:
+    """``model.lora``: train the adapter of policy version ``source.policy_version`` on the base snapshot's
+    weights (frozen); write the adapter and its AdamW state only. The KL reference is the same model with the
+    adapter off: no second copy of the base. Returns (metric sums per step, hyperparameters, where and how
+    long it trained and wrote)."""
+    import tempfile
+
+    from verl_tasks.models.checkpoint import load_policy, save_optimizer
+    from verl_tasks.models.device import resolve_device
+    from verl_tasks.models.lora import save_adapter, with_adapter
+    from verl_tasks.phases.common import derive_seed, policy_folder
+    from verl_tasks.store.conventions import ADAPTER, ADAPTER_CONFIG, is_adapter
+    from verl_tasks.store.units import download
+
+    cfg, algo = ctx.config, ctx.config.algorithm
+    assert cfg.model.lora is not None
+    begun = time.monotonic()
+    base_folder, base_record = policy_folder(ctx, 0)
+    base, tokenizer = load_policy(base_folder, cfg.model.train_dtype)
+    base.to(resolve_device(cfg.model.device))
+    start = source.start.record
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = None
+        if is_adapter(start):
+            adapter = Path(tmp)
+            for name in sorted(n for n in start.files if n in (ADAPTER, ADAPTER_CONFIG, OPTIMIZER, OPTIMIZER_INDEX)):
+                download(ctx.store, start, name, adapter / name)
+        model = with_adapter(base, cfg.model.lora, derive_seed(cfg.seed, 0, "lora_init"), adapter)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=algo.lr,
+                                      betas=algo.betas, weight_decay=algo.weight_decay)
+        if adapter is not None:
+            load_optimizer(optimizer, model, adapter)
+    policy = policy_module(model, cfg.model)
+    micro = cfg.phase_resources("update").micro_batch_size
+    device = next(model.parameters()).device
+    inputs = epoch_inputs(source.samples, tokenizer.pad_token_id, algo, cfg.rollout.max_new_tokens,
+                          source.advantages).to(device)
+    inputs = fill_frozen_logprobs(inputs, policy, None, cfg.rollout.temperature, source.single_step, micro)
+    if source.reference is not None:
+        with model.disable_adapter():
+            inputs.ref_logp = frozen_logprobs(policy, inputs, cfg.rollout.temperature, micro)
+    on_step = lambda step: ctx.hook("update_step", epoch=source.epoch, step=step)  # noqa: E731
+    started = time.monotonic()
+    per_step = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, source.update_seed,
+                           on_step, source.first_step, micro_batch_size=micro)
+    trained_at = time.monotonic()
+    model.eval()
+    check_finite(model, optimizer)
+    written = save_adapter(model, tokenizer, out, base_record.files[WEIGHTS].sha256)
+    hyper, state = save_optimizer(optimizer, model, out)
+    for name, entry in {**written, **state}.items():
+        writer.note_hashed(name, entry.size, entry.sha256)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ran: dict[str, Any] = {"device": str(device), "load_s": round(started - begun, 3),
+                           "train_s": round(trained_at - started, 3),
+                           "write_s": round(time.monotonic() - trained_at, 3),
+                           "write_bytes": sum(entry.size for entry in {**written, **state}.values()),
+                           "trainable_parameters": trainable}
+    return per_step, hyper, ran
+
+
 def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """Train policy version ``epoch`` on the epoch's samples; commit version ``epoch + 1``.
 
@@ -148,8 +210,14 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     def produce(writer: UnitWriter) -> dict[str, Any]:
         source = read_update_source(ctx, epoch)
         res = cfg.phase_resources("update")
-        writer.expect(*_update_files(res))
-        if res.distributed:
+        writer.expect(*_update_files(res, lora=cfg.model.lora is not None))
+        if cfg.model.lora is not None:
+            with writer.folder() as out:
+                try:
+                    per_step, hyper, ran = _train_lora_here(ctx, source, out, writer)
+                except NonFiniteUpdate as err:
+                    raise NonFiniteUpdate(writer.unit, err.reason) from None
+        elif res.distributed:
             result = train_on_workers(ctx, source, writer)
             per_step, hyper, ran = result["per_step"], result["optimizer"], result["ran"]
             for step in range(1, len(per_step) + 1):
@@ -220,9 +288,14 @@ def trainer_to_release(ctx: PhaseContext, epoch: int, trained: dict[str, Any]) -
     return on_gpu
 
 
-def _update_files(res: Resources) -> list[str]:
+def _update_files(res: Resources, lora: bool = False) -> list[str]:
     """The weights and optimizer files every update writes: one lost from a staging folder before it was
-    listed (a worker's shard) would otherwise leave a manifest without it, so commit checks each is listed."""
+    listed (a worker's shard) would otherwise leave a manifest without it, so commit checks each is listed.
+    With LoRA: the adapter, its config and its optimizer state."""
+    if lora:
+        from verl_tasks.store.conventions import ADAPTER, ADAPTER_CONFIG
+
+        return [ADAPTER, ADAPTER_CONFIG, OPTIMIZER_INDEX, OPTIMIZER]
     if res.strategy == UpdateStrategy.fsdp2:
         return [WEIGHTS, OPTIMIZER_INDEX, *(optimizer_shard_name(rank) for rank in range(res.workers))]
     return [WEIGHTS, OPTIMIZER_INDEX, OPTIMIZER]

@@ -19,7 +19,7 @@ from verl_tasks.phases.common import PhaseContext, require
 from verl_tasks.phases.rollout import baseline_id
 from verl_tasks.phases.score import BASELINE_SCORES
 from verl_tasks.phases.validate import epoch_batches
-from verl_tasks.store.conventions import TRAINER_STATE, WEIGHTS, check_not_pruned, optimizer_state_id
+from verl_tasks.store.conventions import TRAINER_STATE, check_not_pruned, optimizer_state_id, weights_sha256
 from verl_tasks.store.units import CommitRecord, read_bytes, read_json, read_jsonl
 
 # The critic unit's GAE advantages, returns and old values ([B, R] each) and the sample ids of their rows.
@@ -38,7 +38,7 @@ class PolicyState:
 
     @property
     def weights_sha256(self) -> str:
-        return self.record.files[WEIGHTS].sha256
+        return weights_sha256(self.record)
 
     @property
     def optimizer_state(self) -> str | None:

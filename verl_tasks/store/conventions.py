@@ -18,6 +18,9 @@ from verl_tasks.store.base import NotFound, ObjectStore
 from verl_tasks.store.units import MARKER, PRUNED, QUARANTINE, CommitRecord, UnitWriter, read_marker, stamp_time
 
 WEIGHTS = "model.safetensors"
+# A LoRA snapshot's policy (``model.lora``): the adapter (PEFT's files) on the base snapshot's weights.
+ADAPTER = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
 STEPS_FILE = "steps.jsonl"  # the update unit's per-optimizer-step metrics, one JSON object per step
@@ -30,6 +33,28 @@ NOT_COPIED = (OPTIMIZER, TRAINER_STATE, METRICS)
 KEEP_WHEN_PRUNED = (METRICS, TRAINER_STATE, STEPS_FILE)
 # Left out of an HF export.
 TRAINING_ONLY = (OPTIMIZER, TRAINER_STATE)
+
+
+def weights_file(record: CommitRecord) -> str:
+    """The file that is a snapshot's (or an update's) policy: ``model.safetensors``, or a LoRA snapshot's
+    adapter, whose sha256 then names the policy version (its base is snapshot 0, kept by retention).
+
+    Raises:
+        IntegrityError: the unit lists neither.
+    """
+    for name in (WEIGHTS, ADAPTER):
+        if name in record.files:
+            return name
+    raise IntegrityError(record.unit, [f"neither {WEIGHTS} nor {ADAPTER} is listed"])
+
+
+def weights_sha256(record: CommitRecord) -> str:
+    return record.files[weights_file(record)].sha256
+
+
+def is_adapter(record: CommitRecord) -> bool:
+    """A LoRA snapshot or update: its policy is an adapter on the base snapshot."""
+    return ADAPTER in record.files and WEIGHTS not in record.files
 
 
 def is_optimizer_state(name: str) -> bool:
@@ -90,7 +115,7 @@ def write_latest(store: ObjectStore, layout: Layout, version: int, record: Commi
     if current is not None and current >= version and not allow_lower:
         return False
     body = {"version": version, "unit": record.unit, "attempt": record.attempt,
-            "weights_sha256": record.files[WEIGHTS].sha256, "uri": store.url(record.unit)}
+            "weights_sha256": weights_sha256(record), "uri": store.url(record.unit)}
     store.put(layout.latest, json.dumps(body, indent=1, sort_keys=True).encode())
     return True
 
@@ -109,7 +134,7 @@ def write_best(store: ObjectStore, layout: Layout, version: int, metric: str, va
                record: CommitRecord) -> bool:
     """Point ``best.json`` at snapshot ``version``, the best by ``metric``; False when it already says so."""
     body = {"version": version, "metric": metric, "value": value, "unit": record.unit,
-            "weights_sha256": record.files[WEIGHTS].sha256, "uri": store.url(record.unit)}
+            "weights_sha256": weights_sha256(record), "uri": store.url(record.unit)}
     if read_best(store, layout) == body:
         return False
     store.put(layout.best, json.dumps(body, indent=1, sort_keys=True).encode())
