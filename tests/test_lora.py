@@ -124,3 +124,12 @@ def test_a_lora_snapshot_cannot_be_a_forks_base_and_says_how_to_start_from_it(lo
     ctx, _ = lora_run
     with pytest.raises(ConfigError, match="export-hf .* --merge"):
         seed_base_from(ctx.store, "lora-fork", ctx.config.experiment, 2, seed=0)
+
+
+def test_checkpoint_verify_checks_a_lora_snapshot_merged_into_its_base(lora_run):
+    from verl_tasks.ops.checkpoint import SnapshotRef, verify
+
+    ctx, _ = lora_run
+    verdict = verify(SnapshotRef(ctx.store, ctx.layout, 2))
+    assert verdict.ok and verdict.state == "OK", verdict
+    assert verdict.weights_sha256 == read_marker(ctx.store, ctx.layout.snapshot(2)).files[ADAPTER].sha256

@@ -153,7 +153,14 @@ def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
     problems = verify_unit(ref.store, record) or optimizer_problems(ref, record)
     if not problems and forward:
         with tempfile.TemporaryDirectory() as tmp:
-            problems = forward_check(fetch(ref, record, Path(tmp)))
+            folder = fetch(ref, record, Path(tmp) / "snapshot")
+            try:
+                if is_adapter(record):  # LoRA: the adapter merged into the base snapshot is what runs
+                    folder = merged_with_base(ref, folder, Path(tmp))
+            except (IntegrityError, StoreError) as err:
+                problems = [str(err)]
+            else:
+                problems = forward_check(folder)
     return Verdict(ref.version, ref.unit, not problems, "OK" if not problems else "FAILED", problems, sha, size)
 
 
@@ -197,6 +204,24 @@ def inspect(ref: SnapshotRef) -> dict[str, Any]:
     }
 
 
+def merged_with_base(ref: SnapshotRef, adapter: Path, work: Path) -> Path:
+    """A LoRA snapshot's adapter folder merged into its experiment's base snapshot (fetched and verified).
+
+    Raises:
+        StoreError: the base snapshot is not committed.
+        IntegrityError: a base file does not match its manifest.
+    """
+    from verl_tasks.models.lora import merge_into
+
+    base_ref = SnapshotRef(ref.store, ref.layout, 0)
+    base = read_marker(ref.store, base_ref.unit)
+    if base is None:
+        raise StoreError(f"{ref.store.url(base_ref.unit)}, the adapter's base, is not committed")
+    names = [n for n in sorted(base.files) if n not in TRAINING_ONLY and not is_optimizer_state(n)
+             and not is_critic_file(n)]
+    return merge_into(fetch(base_ref, base, work / "base", names), adapter, work / "merged")
+
+
 def export_hf(ref: SnapshotRef, target: Path, merge: bool = False) -> list[Path]:
     """Write a folder ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` load (no optimizer state). A LoRA
     snapshot gives PEFT's adapter folder (``PeftModel.from_pretrained`` on the base), or with ``merge`` the base
@@ -218,15 +243,7 @@ def export_hf(ref: SnapshotRef, target: Path, merge: bool = False) -> list[Path]
         folder = fetch(ref, record, Path(tmp) / "export", names)
         checked = folder
         if is_adapter(record):  # LoRA: the adapter on the base snapshot, merged to check it (and to export it)
-            from verl_tasks.models.lora import merge_into
-
-            base_ref = SnapshotRef(ref.store, ref.layout, 0)
-            base = read_marker(ref.store, base_ref.unit)
-            if base is None:
-                raise StoreError(f"{ref.store.url(base_ref.unit)}, the adapter's base, is not committed")
-            base_names = [n for n in sorted(base.files) if n not in TRAINING_ONLY and not is_optimizer_state(n)
-                          and not is_critic_file(n)]
-            checked = merge_into(fetch(base_ref, base, Path(tmp) / "base", base_names), folder, Path(tmp) / "merged")
+            checked = merged_with_base(ref, folder, Path(tmp))
             if merge:
                 folder = checked
         problems = forward_check(checked)
