@@ -96,7 +96,8 @@ def run_engine(engine: str, epochs: int, work: Path, lora: dict | None = None) -
         raise SystemExit(f"{engine} run failed:\n{err[-4000:]}")
     wall = time.monotonic() - started
     measured = from_store(config)
-    in_update = [rss for t, rss in peak.samples if any(a <= t <= b for a, b in measured.pop("update_windows"))]
+    windows = measured.pop("update_windows")
+    in_update = [rss for t, rss in peak.samples if any(a <= t <= b for a, b in windows)]
     return {"engine": label, "lr": raw["algorithm"]["lr"], "wall_s": round(wall, 1),
             "peak_tree_gb": round(peak.peak / 2**30, 2), "peak_cli_gb": round(peak.own_peak / 2**30, 2),
             "update_peak_gb": round(max(in_update, default=0) / 2**30, 2), **measured}

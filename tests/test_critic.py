@@ -149,6 +149,9 @@ def test_the_critic_unit_holds_gae_of_its_values_and_the_snapshot_the_critic(ppo
         snapshot = read_marker(ctx.store, ctx.layout.snapshot(epoch + 1))
         critic_files = {n: e.sha256 for n, e in record.files.items() if is_critic_file(n)}
         assert critic_files and critic_files == {n: e.sha256 for n, e in snapshot.files.items() if is_critic_file(n)}
+    base = read_marker(ctx.store, ctx.layout.snapshot(0)).files  # critic version 0, pinned with the base
+    assert {"critic.model.safetensors", "critic.config.json"} <= set(base)
+    assert not [n for n in base if n.startswith("critic.optimizer")]
     row = status["epochs"][-1]["metrics"]
     assert {"critic/vf_loss", "critic/explained_variance", "critic/vf_clipfrac"} <= set(row)
     assert status["phases"] == list(phases_for(ctx.config))
@@ -179,7 +182,11 @@ def test_the_update_refuses_advantages_of_other_samples(ppo_run):
     from verl_tasks.phases.update_inputs import critic_advantages, read_update_source
 
     ctx, _ = ppo_run
-    samples = read_update_source(ctx, 0, critic=False).samples
-    assert critic_advantages(ctx, 0, samples).shape[0] == len(samples)
-    with pytest.raises(PhaseFailed, match="clear the critic task"):
-        critic_advantages(ctx, 0, samples[1:] + samples[:1])
+    source = read_update_source(ctx, 0, critic=False)
+    samples, inputs = source.samples, source.inputs
+    assert critic_advantages(ctx, 0, samples, inputs).shape[0] == len(samples)
+    with pytest.raises(PhaseFailed, match="start it again under a new experiment name"):
+        critic_advantages(ctx, 0, samples[1:] + samples[:1], inputs)
+    recomputed = {**inputs, ctx.layout.rollout(0, 1): "20990101T000000-another"}  # a batch committed again
+    with pytest.raises(PhaseFailed, match="other rollout or score units"):
+        critic_advantages(ctx, 0, samples, recomputed)

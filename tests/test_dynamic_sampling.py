@@ -10,10 +10,10 @@ import pytest
 from verl_tasks.config import load_config
 from verl_tasks.errors import ConfigError, TooFewGroups
 from verl_tasks.phase_registry import phases_for
-from verl_tasks.phases.top_up import read_selection, varied_groups
+from verl_tasks.phases.top_up import read_selection
 from verl_tasks.phases.update_inputs import read_update_source
 from verl_tasks.runner import make_context, train
-from verl_tasks.store.units import read_json, read_marker
+from verl_tasks.store.units import read_json, read_jsonl, read_marker
 
 from .conftest import TINY_YAML, small_overrides
 
@@ -22,6 +22,15 @@ DYNAMIC = {"algorithm.filter_groups": {"enable": True, "max_batches": 8}}
 
 def config(tmp_path, **extra):
     return load_config(TINY_YAML, small_overrides(**{"storage.uri": f"file://{tmp_path}/store", **DYNAMIC, **extra}))
+
+
+def prompts_whose_scores_differ(ctx, epoch: int, batch: int) -> list[str]:
+    """From the batch's committed units: its prompts, in rollout order, whose samples' scores are not all equal."""
+    samples = read_jsonl(ctx.store, read_marker(ctx.store, ctx.layout.rollout(epoch, batch)), "samples.jsonl")
+    scores = {r["sample_id"]: r["score"] for r in
+              read_jsonl(ctx.store, read_marker(ctx.store, ctx.layout.score(epoch, batch)), "scores.jsonl")}
+    order = list(dict.fromkeys(s["prompt_id"] for s in samples))
+    return [p for p in order if len({scores[s["sample_id"]] for s in samples if s["prompt_id"] == p}) > 1]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,7 @@ def test_the_update_trains_on_the_first_groups_whose_scores_differ(dynamic_run):
         batches = selection["batches"]
         assert batches == list(range(len(batches))) and len(batches) >= cfg.rollout.batches_per_epoch
         drawn_extra += len(batches) - cfg.rollout.batches_per_epoch
-        varied = [[b, prompt] for b in batches for prompt in varied_groups(ctx, epoch, b)]
+        varied = [[b, prompt] for b in batches for prompt in prompts_whose_scores_differ(ctx, epoch, b)]
         assert selection["groups"] == varied[: cfg.prompts_per_epoch]
         assert len(selection["groups"]) == cfg.prompts_per_epoch
         # It stopped at the first batch that filled the epoch.
@@ -89,6 +98,34 @@ def test_reaching_max_batches_is_refused_and_keeps_what_was_drawn(tmp_path):
     ctx = make_context(config(tmp_path, **{"rollout.temperature": 0.001, "epochs": 1}))
     with pytest.raises(TooFewGroups, match="max_batches=8 rollout batches") as err:
         train(ctx, 1)
-    assert "Raise max_batches" in str(err.value)
+    assert "--resume-from tiny-arith --experiment NEW_NAME" in str(err.value)
     assert read_marker(ctx.store, ctx.layout.top_up(0)) is None
     assert all(read_marker(ctx.store, ctx.layout.score(0, b)) is not None for b in range(8))
+
+
+def test_a_prompt_drawn_in_two_batches_is_two_groups():
+    """GRPO's baseline is the group of one prompt's samples in one batch: a prompt dynamic sampling draws again
+    in an extra batch is compared with its own samples there, not pooled with the first draw."""
+    from verl_tasks.config import AlgorithmConfig
+    from verl_tasks.phases.update_steps import epoch_inputs
+
+    def sample(batch, score):
+        return {"batch": batch, "prompt_id": "p", "prompt_ids": [5, 6], "response_ids": [7], "score": score}
+
+    samples = [sample(0, 1.0), sample(0, 0.0), sample(4, 1.0), sample(4, 1.0)]
+    advantages = epoch_inputs(samples, 0, AlgorithmConfig(group_size=2), 4).advantages[:, 0]
+    assert advantages[2:].abs().sum() == 0  # alike within its own batch: no signal
+    assert advantages[0] > 0 > advantages[1]
+
+
+def test_extra_batches_never_repeat_a_prompt_within_a_batch(tmp_path):
+    """With fewer unused prompts than a batch holds, extra batches draw from all prompts, each batch distinct."""
+    from verl_tasks.phases.plan import extra_batches
+
+    cfg = config(tmp_path, **{"algorithm.filter_groups": {"enable": True, "max_batches": 6}})
+    ids = [f"q{i}" for i in range(cfg.prompts_per_epoch + 3)]  # 3 unused prompts, batches of 8
+    chosen = set(ids[: cfg.prompts_per_epoch])
+    batches = extra_batches(cfg, 0, ids, chosen)
+    assert len(batches) == 4
+    for batch in batches:
+        assert len(set(batch["prompt_ids"])) == len(batch["prompt_ids"]) == cfg.rollout.prompts_per_batch

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from verl_tasks.config import load_config
-from verl_tasks.errors import PhaseFailed
 from verl_tasks.phases.update_inputs import read_update_source
 from verl_tasks.phases.update_steps import epoch_inputs
 from verl_tasks.runner import make_context, run_phase, train
@@ -42,27 +41,35 @@ def test_each_prompt_has_one_greedy_answer_committed_and_scored_with_its_batch(r
 
 
 def test_a_samples_advantage_is_its_score_less_its_prompts_greedy_score(remax_run):
+    """Checked against the committed units themselves: each sample's score, and the score of its prompt's
+    greedy answer in the same batch's baseline_scores.jsonl."""
     ctx = remax_run
     source = read_update_source(ctx, 0)
     inputs = epoch_inputs(source.samples, 0, ctx.config.algorithm, ctx.config.rollout.max_new_tokens)
-    mask = inputs.data["response_mask"]
-    expected = torch.tensor([s["score"] - s["baseline_score"] for s in source.samples]).unsqueeze(-1) * mask
+    greedy = {}
+    for b in range(ctx.config.rollout.batches_per_epoch):
+        score = read_marker(ctx.store, ctx.layout.score(0, b))
+        greedy.update({r["sample_id"]: r["score"] for r in read_jsonl(ctx.store, score, "baseline_scores.jsonl")})
+    expected = torch.tensor([s["score"] - greedy[f"e00000-b{s['batch']:04d}-{s['prompt_id']}-greedy"]
+                             for s in source.samples]).unsqueeze(-1) * inputs.data["response_mask"]
     torch.testing.assert_close(inputs.advantages, expected)
-    assert any(s["score"] != s["baseline_score"] for s in source.samples)
+    assert expected.abs().sum() > 0
 
 
-def test_a_score_unit_without_the_baselines_scores_says_to_clear_it(remax_run):
-    """A batch scored before the experiment's rollouts carried baselines cannot give ReMax its baseline."""
-    from verl_tasks.phases.update_inputs import scored_record
-    from verl_tasks.store.units import UnitWriter
+def test_the_baseline_is_the_greedy_answer_of_the_policy_that_sampled(remax_run):
+    """The committed baseline is what greedy decoding of policy version 0 answers (the evaluation's decoding)."""
+    from verl_tasks.models.engines import SamplingSpec, engine_options, get_engine
+    from verl_tasks.phases.common import sampling_policy
 
     ctx = remax_run
-    unit = ctx.layout.score(0, 9)
-    writer = UnitWriter(ctx.store, unit)
-    writer.write_jsonl("scores.jsonl", [])
-    writer.commit({})
-    with pytest.raises(PhaseFailed, match="clear the rollout and score tasks"):
-        scored_record(ctx, 0, 9)
+    rollout = read_marker(ctx.store, ctx.layout.rollout(0, 0))
+    baselines = read_jsonl(ctx.store, rollout, "baselines.jsonl")
+    prompt_ids = {s["prompt_id"]: s["prompt_ids"] for s in read_jsonl(ctx.store, rollout, "samples.jsonl")}
+    policy = sampling_policy(ctx, 0)
+    spec = SamplingSpec(n=1, temperature=1.0, top_p=1.0, max_new_tokens=ctx.config.rollout.max_new_tokens, seed=1,
+                        greedy=True)
+    again = get_engine("hf")(policy, [prompt_ids[b["prompt_id"]] for b in baselines], spec, engine_options(ctx.config))
+    assert [g.response_ids for g in again] == [b["response_ids"] for b in baselines]
 
 
 def test_other_estimators_roll_out_no_greedy_answer(tmp_path):

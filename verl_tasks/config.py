@@ -435,7 +435,8 @@ class Resources(Strict):
         MixedPrecision.none,
         description="update with fsdp2: compute dtype of the sharded parameters; none: model.dtype")
     micro_batch_size: int | None = Field(
-        None, gt=0, description="update only: sequences per forward/backward on each worker, gradients accumulated; "
+        None, gt=0, description="update and critic only: sequences per forward/backward on each worker, gradients "
+                                "accumulated; "
                                 "None: a worker's whole share of a minibatch at once. Lower it when the update runs "
                                 "out of memory: it changes float summation order only")
 
@@ -757,7 +758,17 @@ class ExperimentConfig(Strict):
         return epoch == last or (every > 0 and (epoch + 1) % every == 0)
 
     def phase_resources(self, phase: str) -> Resources:
-        return self.resources.get(phase, Resources())
+        """``resources.<phase>``; absent, ``top_up`` takes the rollout's (it rolls out the extra batches) and
+        ``critic`` the update's, in one process (one worker, no sharding); anything else the defaults."""
+        if phase in self.resources:
+            return self.resources[phase]
+        if phase == "top_up" and "rollout" in self.resources:
+            return self.resources["rollout"]
+        if phase == "critic" and "update" in self.resources:
+            return self.resources["update"].model_copy(update={
+                "workers": 1, "strategy": UpdateStrategy.ddp, "cpu_offload": False,
+                "mixed_precision": MixedPrecision.none})
+        return Resources()
 
     def hashed_view(self) -> dict[str, Any]:
         """The training-relevant settings, as plain JSON values."""

@@ -57,7 +57,7 @@ class PromoteSnapshotOperator(_RunConfigMixin, BaseOperator):
         from verl_tasks.layout import Layout
         from verl_tasks.ops.promotion import PROMOTION, decide
         from verl_tasks.ownership import check_may_write
-        from verl_tasks.store.conventions import ADAPTER, WEIGHTS, weights_sha256
+        from verl_tasks.store.conventions import has_policy, weights_sha256
         from verl_tasks.store.units import read_marker
 
         with fail_fast(f"task {self.task_id}"):
@@ -74,8 +74,7 @@ class PromoteSnapshotOperator(_RunConfigMixin, BaseOperator):
         unit = layout.snapshot(decision.version)
         record = read_marker(store, unit)
         extra = {"experiment": cfg.experiment, "version": decision.version, "uri": store.url(unit),
-                 "weights_sha256": weights_sha256(record) if record and (WEIGHTS in record.files or ADAPTER
-                                                                             in record.files) else None,
+                 "weights_sha256": weights_sha256(record) if record and has_policy(record) else None,
                  "accuracy": decision.accuracy, "baseline": decision.baseline, "margin": decision.margin}
         context["outlet_events"][self.asset].extra = extra
         self.log.info("%s: %s", cfg.experiment, decision.reason)

@@ -158,7 +158,8 @@ class PoolShape:
 def gpu_sharing_phases(config: ExperimentConfig, cluster_gpus: float | None) -> tuple[str, ...]:
     """The phases that go to one shared ``gpu`` pool (``placement.gpu_phases``); empty when none do.
 
-    Candidates: rollout, evaluate and a one-process update that ask for GPUs (a distributed update keeps
+    Candidates: rollout, top_up (it rolls out too), the critic, evaluate and a one-process update that ask for
+    GPUs; a trainer puts a vLLM engine of its actor to sleep while it trains (a distributed update keeps
     its own workers, and so does a sharded engine, ``tensor_parallel_size`` > 1). ``auto`` shares them
     when ``cluster_gpus`` (None: unknown, no sharing) is less than what their separate pools hold together.
     """

@@ -28,7 +28,6 @@ from verl_tasks.store.conventions import CRITIC_PREFIX as PREFIX
 from verl_tasks.store.conventions import is_critic_file
 
 CONFIG = "config.json"
-CRITIC_WEIGHTS = PREFIX + WEIGHTS
 CRITIC_FILES = (CONFIG, WEIGHTS, OPTIMIZER, OPTIMIZER_INDEX)
 
 
@@ -121,5 +120,5 @@ def save_critic(model: ValueModel, optimizer: torch.optim.Optimizer | None, fold
     return hyper, written
 
 
-__all__ = ["CONFIG", "CRITIC_FILES", "CRITIC_WEIGHTS", "PREFIX", "ValueModel", "is_critic_file", "load_critic",
+__all__ = ["CONFIG", "CRITIC_FILES", "PREFIX", "ValueModel", "is_critic_file", "load_critic",
            "local_name", "new_critic", "save_critic", "stored_name"]

@@ -14,7 +14,7 @@ import torch
 from verl_tasks.errors import IntegrityError
 from verl_tasks.models.checkpoint import load_policy, refuse_pickles, save_configs, save_policy
 from verl_tasks.models.safetensors_io import Written, write_tensors
-from verl_tasks.store.conventions import ADAPTER, ADAPTER_CONFIG
+from verl_tasks.store.conventions import ADAPTER, ADAPTER_CONFIG, BASE_JSON
 
 
 def peft_config(lora: Any) -> Any:
@@ -57,7 +57,7 @@ def save_adapter(model: Any, tokenizer: Any, folder: Path, base_sha256: str) -> 
     save_configs(model.get_base_model(), tokenizer, folder)
     model.peft_config["default"].save_pretrained(folder)
     state = sorted(get_peft_model_state_dict(model).items())
-    (folder / "base.json").write_text(json.dumps({"base_weights_sha256": base_sha256}))
+    (folder / BASE_JSON).write_text(json.dumps({"base_weights_sha256": base_sha256}))
     return {ADAPTER: write_tensors(folder / ADAPTER, [(n, t.detach().contiguous()) for n, t in state],
                                    {"format": "pt"})}
 

@@ -18,9 +18,9 @@ from verl_tasks.layout import Layout
 from verl_tasks.models.checkpoint import OPTIMIZER_INDEX, check_optimizer_index, load_policy, refuse_pickles
 from verl_tasks.store import ObjectStore, open_store
 from verl_tasks.store.conventions import (
-    ADAPTER,
     TRAINING_ONLY,
-    WEIGHTS,
+    check_adapter_base,
+    has_policy,
     is_adapter,
     is_critic_file,
     is_optimizer_state,
@@ -145,7 +145,7 @@ def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
         return Verdict(ref.version, ref.unit, False, "FAILED", list(err.problems))
     if record is None:
         return Verdict(ref.version, ref.unit, False, "ABSENT", ["no _SUCCESS marker: not committed (or quarantined)"])
-    sha = weights_sha256(record) if WEIGHTS in record.files or ADAPTER in record.files else None
+    sha = weights_sha256(record) if has_policy(record) else None
     size = sum(e.size for e in record.files.values())
     if is_pruned(ref.store, ref.unit):
         return Verdict(ref.version, ref.unit, True, "PRUNED", ["weights deleted by retention (metadata kept)"],
@@ -157,7 +157,7 @@ def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
             try:
                 if is_adapter(record):  # LoRA: the adapter merged into the base snapshot is what runs
                     folder = merged_with_base(ref, folder, Path(tmp))
-            except (IntegrityError, StoreError) as err:
+            except (IntegrityError, StoreError, ConfigError) as err:
                 problems = [str(err)]
             else:
                 problems = forward_check(folder)
@@ -197,7 +197,7 @@ def inspect(ref: SnapshotRef) -> dict[str, Any]:
         "parent_version": parent,
         "attempt": record.attempt,
         "committed_at": record.committed_at,
-        "weights_sha256": weights_sha256(record) if WEIGHTS in record.files or ADAPTER in record.files else None,
+        "weights_sha256": weights_sha256(record) if has_policy(record) else None,
         "sizes": {name: entry.size for name, entry in sorted(record.files.items())},
         "total_bytes": sum(e.size for e in record.files.values()),
         "metrics": state.get("metrics") or record.meta.get("metrics", {}),
@@ -217,6 +217,9 @@ def merged_with_base(ref: SnapshotRef, adapter: Path, work: Path) -> Path:
     base = read_marker(ref.store, base_ref.unit)
     if base is None:
         raise StoreError(f"{ref.store.url(base_ref.unit)}, the adapter's base, is not committed")
+    adapter_record = read_marker(ref.store, ref.unit)
+    if adapter_record is not None:
+        check_adapter_base(ref.store, adapter_record, base)
     names = [n for n in sorted(base.files) if n not in TRAINING_ONLY and not is_optimizer_state(n)
              and not is_critic_file(n)]
     return merge_into(fetch(base_ref, base, work / "base", names), adapter, work / "merged")

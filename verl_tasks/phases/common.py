@@ -35,6 +35,7 @@ from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
 from verl_tasks.store.conventions import (
+    check_adapter_base,
     check_not_pruned,
     is_adapter,
     is_critic_file,
@@ -242,11 +243,12 @@ def _merged_folder(ctx: PhaseContext, record: CommitRecord) -> Path:
     downloaded policy. What rollout and evaluation load, on either engine: no adapter code in their path."""
     from verl_tasks.models.lora import merge_into
 
-    folder = CACHE_DIR / "policies" / f"lora-{weights_sha256(record)}"
+    base_folder, base = policy_folder(ctx, 0)  # a corrupt base is quarantined as the base, not as this version
+    check_adapter_base(ctx.store, record, base)
+    folder = CACHE_DIR / "policies" / f"lora-{base.files[WEIGHTS].sha256[:16]}-{weights_sha256(record)}"
     if (folder / WEIGHTS).is_file():
         os.utime(folder)
         return folder
-    base_folder, _ = _policy_folder(ctx, 0, None, weights=True, optimizer=False)
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:

@@ -8,9 +8,9 @@ with verl's clipped value loss over the policy's minibatches and PPO epochs. One
 ``advantages.safetensors`` (what the policy update reads) and critic version ``v + 1`` (``critic.*``:
 weights, AdamW state, config), which the snapshot publishes beside policy version ``v + 1``.
 
-Critic version 0 is the base snapshot's ``critic.*`` files when it has them (a fork's, copied from
-its parent's snapshot without the optimizer state), else a value head drawn from the experiment's
-seed on ``critic.name_or_path`` or the policy's base. Everything is derived from the committed inputs
+Critic version 0 is the base snapshot's ``critic.*`` files: a value head drawn from the experiment's
+seed on ``critic.name_or_path`` or the policy's base, written when the base is (``initial_critic``), or a
+fork's, copied from its parent's snapshot without the optimizer state. Everything is derived from the committed inputs
 and the seed, so a retried or cleared unit writes the same bytes (on the CPU).
 """
 from __future__ import annotations
@@ -54,12 +54,39 @@ from verl_tasks.phases.update_steps import (
 from verl_tasks.store.units import CommitRecord, UnitWriter, download
 
 VALUE_KEYS = ("input_ids", "attention_mask", "positions", "response_mask")
-# Metrics that are token means whatever the value loss's aggregation mode.
-TOKEN_MEAN_METRICS = ("critic/vf_clipfrac", "critic/vpred_mean")
+
+
+def initial_critic(ctx: PhaseContext, base_folder: Path, out: Path) -> list[Path]:
+    """Write critic version 0 into ``out`` (config and weights, no optimizer state): a value head drawn from the
+    experiment's seed on ``critic.name_or_path``'s decoder, or on the base policy's in ``base_folder``. The base
+    snapshot commits these files, so the critic an experiment starts from is pinned like its policy.
+
+    Raises:
+        ConfigError: the critic's vocabulary is smaller than the policy's tokenizer (it reads the policy's ids).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_tasks.errors import ConfigError
+
+    cfg, critic_cfg = ctx.config, ctx.config.critic
+    assert critic_cfg is not None
+    if critic_cfg.name_or_path is not None:
+        lm: Any = AutoModelForCausalLM.from_pretrained(
+            critic_cfg.name_or_path, use_safetensors=True, dtype=getattr(torch, cfg.model.train_dtype))
+        tokens, rows = len(AutoTokenizer.from_pretrained(base_folder)), lm.get_input_embeddings().num_embeddings
+        if rows < tokens:
+            raise ConfigError(f"critic.name_or_path {critic_cfg.name_or_path!r} embeds {rows} token ids, the "
+                              f"policy's tokenizer has {tokens}: the critic reads the policy's token ids; name a "
+                              f"model with the policy's tokenizer, or remove critic.name_or_path")
+    else:
+        lm = load_policy(base_folder, cfg.model.train_dtype)[0]
+    save_critic(new_critic(lm, derive_seed(cfg.seed, 0, "critic_init")), None, out)
+    return [out / name for name in CRITIC_FILES if (out / name).is_file()]
 
 
 def critic_at(ctx: PhaseContext, source: UpdateSource, work: Path) -> tuple[ValueModel, torch.optim.Optimizer]:
-    """Critic version ``source.policy_version`` and its AdamW state (fresh for version 0 and a fork's base)."""
+    """Critic version ``source.policy_version`` (the snapshot's ``critic.*`` files) and its AdamW state (fresh
+    for version 0). A fork's base from a parent without a critic holds none: its critic is made here."""
     cfg, critic_cfg = ctx.config, ctx.config.critic
     assert critic_cfg is not None  # the phase exists only with a critic section
     record, autocast = source.start.record, autocast_dtype(cfg.model)
@@ -67,19 +94,12 @@ def critic_at(ctx: PhaseContext, source: UpdateSource, work: Path) -> tuple[Valu
     if stored:
         for name in stored:
             download(ctx.store, record, name, work / local_name(name))
-        model = load_critic(work, cfg.model.train_dtype, autocast)
     elif source.policy_version == 0:
-        if critic_cfg.name_or_path is not None:
-            from transformers import AutoModelForCausalLM
-
-            lm: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-                critic_cfg.name_or_path, use_safetensors=True, dtype=getattr(torch, cfg.model.train_dtype))
-        else:
-            lm = load_policy(policy_folder(ctx, 0, record)[0], cfg.model.train_dtype)[0]
-        model = new_critic(lm, derive_seed(cfg.seed, 0, "critic_init"), autocast)
+        initial_critic(ctx, policy_folder(ctx, 0, record)[0], work)
     else:
         raise PhaseFailed(record.unit, f"snapshot {source.policy_version} holds no critic (critic.* files); it was "
                                        f"not written by a PPO run of this experiment")
+    model = load_critic(work, cfg.model.train_dtype, autocast)
     model.to(resolve_device(cfg.model.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=critic_cfg.lr, betas=critic_cfg.betas,
                                   weight_decay=critic_cfg.weight_decay)
@@ -154,10 +174,14 @@ def critic(ctx: PhaseContext, epoch: int) -> CommitRecord:
         NonFiniteUpdate: the critic's gradients or weights went non-finite; nothing is committed.
     """
     cfg = ctx.config
-    algo = cfg.algorithm
+    algo, critic_cfg = cfg.algorithm, cfg.critic
+    assert critic_cfg is not None  # the phase exists only with a critic section
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
+        from verl_tasks.phases.update import engine_to_sleep, release_gpu_memory
+
         source = read_update_source(ctx, epoch, critic=False)
+        engine_to_sleep(ctx, epoch, to="critic")  # a vLLM engine sharing this GPU gives its memory up first
         writer.expect(*(stored_name(name) for name in CRITIC_FILES), ADVANTAGES, ADVANTAGE_ROWS)
         begun = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
@@ -190,16 +214,19 @@ def critic(ctx: PhaseContext, epoch: int) -> CommitRecord:
             saved = write_tensors(out / ADVANTAGES, [(k, v.detach().float().cpu().contiguous())
                                                      for k, v in tensors.items()])
             writer.note_hashed(ADVANTAGES, saved.size, saved.sha256)
-            (out / ADVANTAGE_ROWS).write_text(json.dumps({"sample_ids": [s["sample_id"] for s in source.samples]}))
+            (out / ADVANTAGE_ROWS).write_text(json.dumps({"sample_ids": [s["sample_id"] for s in source.samples],
+                                                          "inputs": source.inputs}))
         steps = len(per_step)
         metrics = {key: sum(step[key] for step in per_step) / steps for key in per_step[0]}
         metrics.update({"critic/values_mean": aggregate_loss(old_values, mask).item(),
                         "critic/returns_mean": aggregate_loss(returns, mask).item(),
                         "critic/explained_variance": explained_variance(old_values, returns, mask),
-                        "critic/lr": cfg.critic.lr if cfg.critic else 0.0, "critic/optimizer_steps": steps})
+                        "critic/lr": critic_cfg.lr, "critic/optimizer_steps": steps})
         writer.write_json("metrics.json", metrics)
         ran = {"device": str(device), "load_s": round(started - begun, 3), "train_s": round(trained - started, 3),
                "write_s": round(time.monotonic() - trained, 3)}
+        del model, optimizer
+        release_gpu_memory()
         return {"metrics": metrics, "critic_version": source.policy_version + 1, "optimizer": hyper, "ran": ran}
 
     return run_unit(ctx, "critic", ctx.layout.critic(epoch), epoch, produce)

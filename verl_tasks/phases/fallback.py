@@ -3,7 +3,7 @@
 A committed snapshot whose files no longer match its manifest (truncated or
 altered after commit) is detected when it is loaded. Its marker is moved to
 ``.quarantine/`` (so the unit reads as absent), the update unit it was copied
-from is quarantined too when its own weights are bad or were pruned, and
+from is quarantined too when its own weights are bad or were pruned (and so is a PPO run's critic unit), and
 ``latest.json`` goes back to the previous valid snapshot. Every input of the
 lost units is still committed, so the next run recomputes them and, being
 deterministic, produces the same bytes.
@@ -18,7 +18,7 @@ from typing import Any
 
 from verl_tasks.errors import IntegrityError
 from verl_tasks.events import record_event
-from verl_tasks.store.conventions import WEIGHTS, check_not_pruned, latest_version, snapshot_versions, write_latest
+from verl_tasks.store.conventions import check_not_pruned, has_policy, latest_version, snapshot_versions, write_latest
 from verl_tasks.store.units import PRUNED, committed_record, is_pruned, quarantine, read_marker, verify_unit
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,11 @@ def fall_back(ctx, version: int, problems: list[str]) -> dict[str, Any]:
             quarantine(store, update_unit, f"weights of snapshot {version} are bad and this unit's copy is unusable")
             store.delete(f"{update_unit}/{PRUNED}")
             quarantined.append(update_unit)
+        critic_unit = layout.critic(version - 1)  # PPO: the snapshot's critic files are copies of this unit's
+        if not _weights_ok(ctx, critic_unit) and read_marker(store, critic_unit) is not None:
+            quarantine(store, critic_unit, f"snapshot {version} is bad and this unit's copy of the critic is unusable")
+            store.delete(f"{critic_unit}/{PRUNED}")
+            quarantined.append(critic_unit)
     previous = newest_valid_version(ctx, version)
     pointed = latest_version(store, layout)
     if previous is not None and pointed is not None and pointed >= version:
@@ -97,7 +102,7 @@ def check_resume_point(ctx) -> dict[str, Any] | None:
         record = read_marker(ctx.store, unit)
         if is_pruned(ctx.store, unit):
             return result
-        problems = verify_unit(ctx.store, record) if record is not None and WEIGHTS in record.files else []
+        problems = verify_unit(ctx.store, record) if record is not None and has_policy(record) else []
         if not problems:
             return result
         result = fall_back(ctx, newest, problems)

@@ -15,7 +15,9 @@ def extra_batches(cfg: Any, epoch: int, ids: list[str], chosen: set[str]) -> lis
     if groups is None:
         return []
     first, size = cfg.rollout.batches_per_epoch, cfg.rollout.prompts_per_batch
-    others = [pid for pid in ids if pid not in chosen] or list(ids)
+    others = [pid for pid in ids if pid not in chosen]
+    if len(others) < size:  # too few unused prompts for a batch: draw from all (a batch never repeats a prompt)
+        others = list(ids)
     random.Random(derive_seed(cfg.seed, epoch, "plan-extra")).shuffle(others)
     needed = (groups.max_batches - first) * size
     order = (others * (needed // len(others) + 1))[:needed]
@@ -31,8 +33,8 @@ def plan(ctx: PhaseContext, epoch: int) -> CommitRecord:
     prompt is used once per pass before any repeats. With DAPO's dynamic sampling
     (``algorithm.filter_groups``) the plan also lists the batches the epoch may draw
     beyond its own, up to ``max_batches``: prompts of another seeded permutation
-    of the data, less the epoch's own (repeating when the data runs out), each batch
-    with its own seed. Only ``top_up`` rolls them out, and only as many as it needs.
+    of the data, less the epoch's own (repeating when the data runs out, never within
+    a batch), each batch with its own seed. Only ``top_up`` rolls them out, and only as many as it needs.
     """
     prepare(ctx)
     cfg = ctx.config

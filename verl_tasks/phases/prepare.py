@@ -129,6 +129,12 @@ def base_snapshot(ctx: PhaseContext, parent: dict[str, Any] | None = None) -> Co
             for path in sorted(folder.iterdir()):
                 if path.is_file() and path.name != "info.json":
                     writer.write_file(path.name, path)
+            if ctx.config.critic is not None:  # PPO: critic version 0 is pinned with the policy it starts beside
+                from verl_tasks.phases.critic import initial_critic
+                from verl_tasks.store.conventions import CRITIC_PREFIX
+
+                for path in initial_critic(ctx, folder, Path(tmp) / "critic"):
+                    writer.write_file(CRITIC_PREFIX + path.name, path)
             writer.write_json("trainer_state.json", {"version": 0, "step": 0, "epoch": None, "seed": ctx.config.seed})
         return {"version": 0, **info}
 

@@ -54,10 +54,12 @@ def top_up(ctx: PhaseContext, epoch: int) -> CommitRecord:
         while len(kept) < wanted:
             if batch >= most:
                 raise TooFewGroups(writer.unit, f"dynamic sampling drew algorithm.filter_groups.max_batches="
-                                                f"{most} rollout batches and found {len(kept)} "
-                                                f"prompts whose samples' scores differ; the epoch needs {wanted}. "
-                                                f"Raise max_batches, or make the prompts neither too easy nor too "
-                                                f"hard for the policy (or turn filter_groups off)")
+                                                f"{most} rollout batches and found {len(kept)} prompts whose "
+                                                f"samples' scores differ; the epoch needs {wanted}. Those keys are "
+                                                f"pinned: go on in a new experiment from this one's latest snapshot "
+                                                f"with a higher max_batches, or with data neither too easy nor too "
+                                                f"hard for the policy (verl-tasks run NEW.yaml --resume-from "
+                                                f"{cfg.experiment} --experiment NEW_NAME)")
             if batch >= cfg.rollout.batches_per_epoch:  # an extra batch: its own units, once each
                 rollout(ctx, epoch, batch)
                 score(ctx, epoch, batch)

@@ -143,7 +143,7 @@ def _train_lora_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer:
     from verl_tasks.models.device import resolve_device
     from verl_tasks.models.lora import save_adapter, with_adapter
     from verl_tasks.phases.common import derive_seed, policy_folder
-    from verl_tasks.store.conventions import ADAPTER, ADAPTER_CONFIG, is_adapter
+    from verl_tasks.store.conventions import ADAPTER, ADAPTER_CONFIG, check_adapter_base, is_adapter
     from verl_tasks.store.units import download
 
     cfg, algo = ctx.config, ctx.config.algorithm
@@ -156,6 +156,7 @@ def _train_lora_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer:
     with tempfile.TemporaryDirectory() as tmp:
         adapter = None
         if is_adapter(start):
+            check_adapter_base(ctx.store, start, base_record)
             adapter = Path(tmp)
             for name in sorted(n for n in start.files if n in (ADAPTER, ADAPTER_CONFIG, OPTIMIZER, OPTIMIZER_INDEX)):
                 download(ctx.store, start, name, adapter / name)
@@ -175,8 +176,11 @@ def _train_lora_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer:
             inputs.ref_logp = frozen_logprobs(policy, inputs, cfg.rollout.temperature, micro)
     on_step = lambda step: ctx.hook("update_step", epoch=source.epoch, step=step)  # noqa: E731
     started = time.monotonic()
-    per_step = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, source.update_seed,
-                           on_step, source.first_step, micro_batch_size=micro)
+    # LoRA's dropout draws from the global generators: seeded by the epoch, so a retry draws the same masks.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(source.update_seed)
+        per_step = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, source.update_seed,
+                               on_step, source.first_step, micro_batch_size=micro)
     trained_at = time.monotonic()
     model.eval()
     check_finite(model, optimizer)
@@ -212,11 +216,14 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         res = cfg.phase_resources("update")
         writer.expect(*_update_files(res, lora=cfg.model.lora is not None))
         if cfg.model.lora is not None:
+            engine_to_sleep(ctx, epoch)
             with writer.folder() as out:
                 try:
                     per_step, hyper, ran = _train_lora_here(ctx, source, out, writer)
                 except NonFiniteUpdate as err:
                     raise NonFiniteUpdate(writer.unit, err.reason) from None
+                finally:
+                    release_gpu_memory()
         elif res.distributed:
             result = train_on_workers(ctx, source, writer)
             per_step, hyper, ran = result["per_step"], result["optimizer"], result["ran"]
@@ -259,17 +266,27 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
     return committed_record
 
 
-def engine_to_sleep(ctx: PhaseContext, epoch: int) -> bool:
-    """Before the update trains in a process that holds a vLLM engine (inline, or a pool whose actor runs
-    rollout, update and evaluate on one GPU): the engine gives its GPU memory up (``vllm_engine.sleep``).
-    Returns whether an engine was held."""
+def engine_to_sleep(ctx: PhaseContext, epoch: int, to: str = "update") -> bool:
+    """Before the update (or the critic, ``to``) trains in a process that holds a vLLM engine (inline, or a
+    pool whose actor runs rollout, update and evaluate on one GPU): the engine gives its GPU memory up
+    (``vllm_engine.sleep``). Returns whether an engine was held."""
     from verl_tasks.models import vllm_engine
 
     done = vllm_engine.sleep()
     if done == "none":
         return False
-    record_event(ctx.store, ctx.layout, "gpu_handoff", epoch=epoch, to="update", engine=done)
+    record_event(ctx.store, ctx.layout, "gpu_handoff", epoch=epoch, to=to, engine=done)
     return True
+
+
+def release_gpu_memory() -> None:
+    """After a trainer that is not kept warm (the critic, a LoRA update) dropped its model: its GPU memory goes
+    back before an engine of this process wakes; nothing to do on the CPU."""
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def trainer_to_release(ctx: PhaseContext, epoch: int, trained: dict[str, Any]) -> bool:

@@ -9,7 +9,7 @@ after it reads an input unit again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ class UpdateSource:
     ``first_step``: the global optimizer step it starts from.
     ``single_step``: the epoch is one optimizer step over all samples, so the old log-probs are the
     step's own. ``advantages``: ``[B, R]``, the critic phase's GAE advantages (None: the update computes
-    them with ``algorithm.adv_estimator``).
+    them with ``algorithm.adv_estimator``). ``inputs``: the attempt of every rollout and score unit read.
     """
 
     epoch: int
@@ -70,6 +70,7 @@ class UpdateSource:
     first_step: int
     single_step: bool
     advantages: torch.Tensor | None = None
+    inputs: dict[str, str] = field(default_factory=dict)
 
     @property
     def policy_version(self) -> int:
@@ -89,12 +90,15 @@ def read_update_source(ctx: PhaseContext, epoch: int, *, critic: bool = True) ->
     planned = read_json(ctx.store, require(ctx, ctx.layout.plan(epoch), "plan"), "plan.json")
     version = int(planned["policy_version"])
     samples: list[dict[str, Any]] = []
+    inputs: dict[str, str] = {}
     for b in epoch_batches(ctx, epoch):
-        rows = read_jsonl(ctx.store, require(ctx, ctx.layout.rollout(epoch, b), "rollout"), "samples.jsonl")
-        scored = read_jsonl(ctx.store, require(ctx, ctx.layout.score(epoch, b), "score"), "scores.jsonl")
-        scores = {r["sample_id"]: r["score"] for r in scored}
+        rollout_record = require(ctx, ctx.layout.rollout(epoch, b), "rollout")
+        score_record = require(ctx, ctx.layout.score(epoch, b), "score")
+        inputs.update({rollout_record.unit: rollout_record.attempt, score_record.unit: score_record.attempt})
+        rows = read_jsonl(ctx.store, rollout_record, "samples.jsonl")
+        scores = {r["sample_id"]: r["score"] for r in read_jsonl(ctx.store, score_record, "scores.jsonl")}
         if algo.adv_estimator == "remax":  # each sample's baseline: its prompt's greedy answer's reward
-            greedy = read_jsonl(ctx.store, scored_record(ctx, epoch, b), BASELINE_SCORES)
+            greedy = read_jsonl(ctx.store, score_record, BASELINE_SCORES)
             baselines = {r["sample_id"]: r["score"] for r in greedy}
             rows = [{**row, "baseline_score": baselines[baseline_id(epoch, b, row["prompt_id"])]} for row in rows]
         samples.extend({**row, "score": scores[row["sample_id"]], "batch": b} for row in rows)
@@ -114,34 +118,29 @@ def read_update_source(ctx: PhaseContext, epoch: int, *, critic: bool = True) ->
     return UpdateSource(epoch=epoch, update_seed=int(planned["update_seed"]), samples=samples,
                         start=PolicyState(version, record), reference=reference, first_step=int(first_step),
                         single_step=algo.ppo_epochs == 1 and algo.minibatch_size >= len(samples),
-                        advantages=critic_advantages(ctx, epoch, samples) if critic and ctx.config.critic else None)
+                        advantages=critic_advantages(ctx, epoch, samples, inputs) if critic and ctx.config.critic
+                        else None, inputs=inputs)
 
 
-def scored_record(ctx: PhaseContext, epoch: int, batch: int) -> CommitRecord:
-    """The score unit of ``batch``; one scored before ReMax's baselines existed lacks them: it says so."""
-    record = require(ctx, ctx.layout.score(epoch, batch), "score")
-    if BASELINE_SCORES not in record.files:
-        raise PhaseFailed(record.unit, "ReMax needs the greedy baselines' scores, which this score unit lacks; "
-                                       "clear the rollout and score tasks of this batch to compute them")
-    return record
-
-
-def critic_advantages(ctx: PhaseContext, epoch: int, samples: list[dict[str, Any]]) -> torch.Tensor:
+def critic_advantages(ctx: PhaseContext, epoch: int, samples: list[dict[str, Any]], inputs: dict[str, str]
+                      ) -> torch.Tensor:
     """The GAE advantages the critic phase of ``epoch`` committed, rows in ``samples``' order.
 
     Raises:
-        PhaseFailed: the critic unit is not committed, or it was computed on other samples (a rollout
-            batch recomputed after it committed): clearing the critic task recomputes it on these.
+        PhaseFailed: the critic unit is not committed, or it read other rollout or score attempts than
+            ``inputs`` (a batch recomputed after it committed: quarantined, or restored from elsewhere).
     """
     from safetensors.torch import load
 
     unit = ctx.layout.critic(epoch)
     record = require(ctx, unit, "critic")
-    rows = read_json(ctx.store, record, ADVANTAGE_ROWS)["sample_ids"]
-    if rows != [s["sample_id"] for s in samples]:
-        raise PhaseFailed(unit, "the critic's advantages are of other samples than the epoch's committed ones (a "
-                                "rollout or score batch was recomputed after the critic ran); clear the critic "
-                                "task to compute them again")
+    rows = read_json(ctx.store, record, ADVANTAGE_ROWS)
+    if rows["sample_ids"] != [s["sample_id"] for s in samples] or rows.get("inputs") != inputs:
+        redo = (f"verl-tasks rollback CONFIG --to-epoch {epoch - 1}, then run again" if epoch else
+                "the first epoch cannot be rolled back: start it again under a new experiment name")
+        raise PhaseFailed(unit, f"the critic's advantages were computed from other rollout or score units than the "
+                                f"epoch's committed ones (a batch was recomputed after the critic ran); recompute "
+                                f"the epoch from its plan: {redo}")
     return load(read_bytes(ctx.store, record, ADVANTAGES))["advantages"]
 
 

@@ -98,8 +98,10 @@ def epoch_inputs(samples: list[dict[str, Any]], pad_id: int, algo: AlgorithmConf
     if advantages is None:
         baselines = (torch.tensor([s["baseline_score"] for s in samples], dtype=torch.float32)
                      if algo.adv_estimator == "remax" else None)
+        # A group is one prompt's samples of one batch: dynamic sampling may draw a prompt again in another.
+        groups = [f"{s.get('batch')}/{s['prompt_id']}" for s in samples]
         advantages, _returns = estimator(algo.adv_estimator)(AdvantageInputs(
-            outcome_rewards(samples, mask), mask, [s["prompt_id"] for s in samples],
+            outcome_rewards(samples, mask), mask, groups,
             norm_adv_by_std=algo.norm_adv_by_std, gamma=algo.gamma, lam=algo.lam, reward_baselines=baselines))
     elif advantages.shape != mask.shape:
         raise ValueError(f"advantages of shape {tuple(advantages.shape)} for a batch of {tuple(mask.shape)}")

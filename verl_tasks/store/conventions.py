@@ -21,6 +21,7 @@ WEIGHTS = "model.safetensors"
 # A LoRA snapshot's policy (``model.lora``): the adapter (PEFT's files) on the base snapshot's weights.
 ADAPTER = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_JSON = "base.json"  # a LoRA snapshot's: the sha256 of the base weights its adapter applies to
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
 STEPS_FILE = "steps.jsonl"  # the update unit's per-optimizer-step metrics, one JSON object per step
@@ -55,6 +56,30 @@ def weights_sha256(record: CommitRecord) -> str:
 def is_adapter(record: CommitRecord) -> bool:
     """A LoRA snapshot or update: its policy is an adapter on the base snapshot."""
     return ADAPTER in record.files and WEIGHTS not in record.files
+
+
+def has_policy(record: CommitRecord) -> bool:
+    """The unit holds a policy: whole weights or a LoRA adapter."""
+    return WEIGHTS in record.files or ADAPTER in record.files
+
+
+def check_adapter_base(store: ObjectStore, adapter: CommitRecord, base: CommitRecord) -> None:
+    """Refuse a LoRA adapter whose ``base.json`` names other base weights than snapshot 0 holds (a base rebuilt
+    from a model whose files changed): merged onto them it would be another policy.
+
+    Raises:
+        ConfigError: naming both checksums and the ways on (not retried: the bytes will not change).
+    """
+    from verl_tasks.errors import ConfigError
+    from verl_tasks.store.units import read_json
+
+    named = read_json(store, adapter, BASE_JSON).get("base_weights_sha256")
+    held = base.files[WEIGHTS].sha256 if WEIGHTS in base.files else None
+    if named != held:
+        raise ConfigError(f"{adapter.unit}: its LoRA adapter was trained on base weights {str(named)[:16]}, but the "
+                          f"base snapshot {base.unit} holds {str(held)[:16]} (rebuilt from a model whose files "
+                          f"changed?); restore that base, or start a new experiment from an exported merged "
+                          f"snapshot (verl-tasks checkpoint export-hf URI FOLDER --merge)")
 
 
 def is_optimizer_state(name: str) -> bool:
