@@ -139,7 +139,8 @@ def on_trigger_form(dotted: str) -> bool:
 
 
 def is_pinned(dotted: str, pinned: set[str]) -> bool:
-    return dotted in pinned or any(key.startswith(dotted + ".") for key in pinned)
+    """A hashed key, a section holding one, or a key inside a hashed section (``model.lora.rank``)."""
+    return dotted in pinned or any(key.startswith(dotted + ".") or dotted.startswith(key + ".") for key in pinned)
 
 
 def which(keys: list[str], chosen: list[str], everything: str, nothing: str) -> str:
