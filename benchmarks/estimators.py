@@ -61,7 +61,7 @@ def run(name: str, epochs: int, store: Path) -> dict[str, Any]:
     final = status["epochs"][-1]["metrics"]["eval_accuracy"]
     return {"recipe": name, "overrides": RECIPES[name], "base_accuracy": base, "final_accuracy": final,
             "gain_points": round(100 * (final - base), 1), "wall_s": round(time.monotonic() - started, 1),
-            "extra_batches": extra}
+            "extra_batches": extra, "planned_batches": ctx.config.rollout.batches_per_epoch * epochs}
 
 
 def render(rows: list[dict[str, Any]], epochs: int) -> str:
@@ -73,7 +73,7 @@ def render(rows: list[dict[str, Any]], epochs: int) -> str:
         lines.append(f"| {row['recipe']} | {shown} | {100 * row['base_accuracy']:.1f}% -> "
                      f"{100 * row['final_accuracy']:.1f}% | {row['gain_points']:+.1f} points | {row['wall_s']:.0f} s |")
     drawn = [f"{row['recipe']}: {row['extra_batches']} extra rollout batches over the {epochs} epochs "
-             f"(planned: {4 * epochs})" for row in rows if row.get("extra_batches") is not None]
+             f"(planned: {row['planned_batches']})" for row in rows if row.get("extra_batches") is not None]
     lines += ["", "Every recipe starts from the same warm-started base and the same prompts (seed 7); GSPO's clip "
               "range is the GSPO paper's (its sequence-level ratio moves far less than a token's). Dynamic sampling "
               "trains on as many prompts per epoch as the others, drawing extra batches to get them "
