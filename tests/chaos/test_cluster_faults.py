@@ -1,7 +1,6 @@
 """Chaos matrix, cluster faults (rows 1, 9, 10) on the real stack: Airflow 3.3 run as
 separate components (api-server, scheduler, dag-processor, triggerer; LocalExecutor, PostgreSQL),
-a project-local Ray head (token auth on), S3 on a moto server. One stack per module, and one DAG per
-test (the same experiment YAML), so the tests' runs can be in flight at once.
+a project-local Ray head (token auth on), S3 on a moto server. One stack per module.
 
 1. a rollout unit's worker process (the ``PoolWorker`` actor of its rollout pool running it) is SIGKILLed in
    the middle of its batch: the Ray job fails, Airflow retries it, Ray restarts the actor;
@@ -16,13 +15,6 @@ stack starts loads it through ``sitecustomize``): the seeded batch waits after l
 and before generating, and tells its PID. Each test then checks: the run succeeds; every unit is committed
 exactly once (its only attempt folder is the one its marker names; no ``lost_race``); no sample
 id is lost or duplicated; the final ``weights_sha256`` equals the fault-free reference.
-
-The module's ``runs`` fixture triggers the selected tests' runs together as soon as the stack is up, each
-with its batch held, so their configure, plan and rollout up to the hold overlap. The faults stay one at a
-time, in file order, each where the others' runs are quiet: the worker SIGKILL touches only its own
-experiment's actor; the scheduler is killed while no task instance of any run is running or queued (the
-held rollouts wait deferred in the triggerer); the head restart, which takes every Ray job and actor with it,
-comes last, after the other tests have waited for their runs to finish.
 
     .venv/bin/python -m pytest tests/chaos/test_cluster_faults.py -m chaos -s
 """
@@ -61,25 +53,13 @@ from . import util
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.airflow]
 
-DAG_PREFIX = "vt_chaos_cluster_"
+DAG_ID = "vt_chaos_cluster"
 CONN_ID = "vt_chaos_s3"
 AWS_KEY, AWS_SECRET = "testing-key-id", "testing-secret-value"
 ROLLOUT = "epoch_000.rollout"
 BATCHES = 2
 VENV_BIN = Path(sys.executable).parent
 STALL_S = float(os.environ.get("VT_E2E_STALL_S", "180"))  # a wait fails when nothing moved this long
-# A wait's progress picture (task states, store events, Ray jobs) is taken at most this often: the stall
-# window is minutes, and each picture costs the api-server, the store and the dashboard a request.
-PICTURE_EVERY_S = 5.0
-# Logical CPUs of the head: each run's pools are 3 actors of 1 CPU (a cpu pool of 2, the gate), and the
-# three runs' pools are alive at once.
-HEAD_CPUS = 12
-# test -> (its DAG id's and experiment's short name, its fault's seed name); in the order the tests run
-SCENARIOS = {
-    "test_rollout_worker_sigkilled_mid_batch": ("kill", "rollout_worker_sigkill"),
-    "test_scheduler_restarted_during_run": ("sched", "scheduler_restart"),
-    "test_ray_head_restarted_during_epoch": ("head", "ray_head_restart"),
-}
 
 EXPERIMENT_YAML = """\
 experiment: chaos-cluster
@@ -204,12 +184,9 @@ def cluster(tmp_path_factory, moto_endpoint):
 
         dags = tmp / "dags"
         (dags / "experiments").mkdir(parents=True)
-        # One DAG per test (max_active_runs=1 would queue the runs of one DAG), all from the same YAML.
-        dag_ids = [DAG_PREFIX + short for short, _ in SCENARIOS.values()]
-        for dag_id in dag_ids:
-            yaml_path = dags / "experiments" / f"{dag_id}.yaml"
-            yaml_path.write_text(EXPERIMENT_YAML.format(uri=store_uri, conn_id=CONN_ID))
-            (dags / f"{dag_id}.py").write_text(DAG_FILE.format(dag_id=dag_id))
+        yaml_path = dags / "experiments" / f"{DAG_ID}.yaml"
+        yaml_path.write_text(EXPERIMENT_YAML.format(uri=store_uri, conn_id=CONN_ID))
+        (dags / f"{DAG_ID}.py").write_text(DAG_FILE.format(dag_id=DAG_ID))
 
         ref_log = open(tmp / "reference.log", "w")
         stop.callback(ref_log.close)
@@ -261,7 +238,7 @@ def cluster(tmp_path_factory, moto_endpoint):
         stop.callback(shutil.rmtree, f"/tmp/vt-ray-{ray_port}", True)
         # At once: with actors alive a SIGTERMed head outlasts the 30 s grace.
         stop.callback(local_head.stop, head_state, 0)
-        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=HEAD_CPUS)
+        head = local_head.start(head_state, port=ray_port, dashboard_port=dash_port, num_cpus=8)
         assert head.client_env() == head_env
         assert migrate.wait(timeout=300) == 0, (home / "migrate.log").read_text()[-3000:]
         parts = {name: Component(name, home, env) for name in ("api-server", "scheduler", "dag-processor", "triggerer")}
@@ -278,9 +255,8 @@ def cluster(tmp_path_factory, moto_endpoint):
 
         wait_for("the Airflow API", lambda: api.request("GET", "/api/v2/version"), 120, every=2.0,
                  diagnose=diagnose, progress=logs_size, limit_s=900)
-        for dag_id in dag_ids:
-            wait_for(f"DAG {dag_id} to be parsed", lambda dag_id=dag_id: api.dag_parsed(dag_id), 120, every=2.0,
-                     diagnose=diagnose, progress=logs_size, limit_s=600)
+        wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.dag_parsed(DAG_ID), 120, every=2.0,
+                 diagnose=diagnose, progress=logs_size, limit_s=600)
         for path in ("/execution/health", "/execution/health/ping"):
             try:
                 api.request("GET", path, timeout=120)
@@ -289,144 +265,89 @@ def cluster(tmp_path_factory, moto_endpoint):
         api.request("POST", "/api/v2/pools", {"name": "verl_gpu", "slots": 2, "description": "chaos"})
         print(f"\nchaos cluster ready in {time.monotonic() - started:.0f}s")
 
-        ref_out: list[str] = []
-
-        def reference_result() -> dict:
-            """The fault-free run's latest snapshot, read when the first check needs it (it runs meanwhile)."""
-            if not ref_out:
-                ref_out.append(reference.communicate(timeout=600)[0])
-            assert reference.returncode == 0, (tmp / "reference.log").read_text()[-4000:]
-            return json.loads(ref_out[0].strip().splitlines()[-1])
-
+        out, _ = reference.communicate(timeout=600)
+        assert reference.returncode == 0, (tmp / "reference.log").read_text()[-4000:]
+        ref = json.loads(out.strip().splitlines()[-1])
         yield {"api": api, "parts": parts, "head_state": head_state, "ports": (ray_port, dash_port),
                "store_uri": store_uri, "endpoint": moto_endpoint, "hold": hold_dir, "yaml": yaml_path,
-               "reference": reference_result, "diagnose": diagnose, "home": home}
-
-
-@dataclass
-class Run:
-    """One test's DAG run: its experiment, the seeded batch held in its rollout, the test's seeded draws."""
-
-    dag_id: str
-    experiment: str
-    run_id: str
-    batch: int
-    held: Path  # the file naming the held worker's PID once the batch waits
-    rng: random.Random
-    triggered_at: float
-
-
-@pytest.fixture(scope="module")
-def runs(cluster, request) -> dict[str, Run]:
-    """The runs of the tests selected in this module, triggered together, each with its batch held."""
-    selected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
-    out: dict[str, Run] = {}
-    for test, (short, fault) in SCENARIOS.items():
-        if test not in selected:
-            continue
-        rng = _rng(fault)
-        batch = rng.randrange(BATCHES)
-        experiment = f"chaos-{short}-{secrets.token_hex(2)}"
-        held = faults.hold(cluster["hold"], experiment, 0, batch)
-        dag_id = DAG_PREFIX + short
-        out[test] = Run(dag_id, experiment, _trigger(cluster, dag_id, experiment), batch, held, rng, time.monotonic())
-    print(f"\ntriggered {', '.join(r.run_id for r in out.values())}")
-    return out
+               "reference": ref, "diagnose": diagnose, "home": home}
 
 
 # -- helpers -----------------------------------------------------------------------------------
 def _store(cluster):
-    """One client for the module (a new boto3 session per call costs more than the listing it serves)."""
     from verl_tasks.store import open_store
 
-    if "store_client" not in cluster:
-        cluster["store_client"] = open_store(
-            cluster["store_uri"], endpoint_url=cluster["endpoint"],
-            credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
-    return cluster["store_client"]
+    return open_store(cluster["store_uri"], endpoint_url=cluster["endpoint"],
+                      credentials={"aws_access_key_id": AWS_KEY, "aws_secret_access_key": AWS_SECRET})
 
 
-def _diagnose(cluster, run: Run, *others: Run) -> str:
+def _diagnose(cluster, run_id: str) -> str:
     api: Api = cluster["api"]
     try:
-        tis = json.dumps(states(api.task_instances(run.dag_id, run.run_id)), indent=1)
+        tis = json.dumps(states(api.task_instances(DAG_ID, run_id)), indent=1)
     except Exception as err:  # noqa: BLE001
         tis = f"(no task states: {err})"
     logs = []
-    root = cluster["home"] / "logs" / f"dag_id={run.dag_id}" / f"run_id={run.run_id}"
+    root = cluster["home"] / "logs" / f"dag_id={DAG_ID}" / f"run_id={run_id}"
     for path in sorted(root.rglob("*.log")) if root.exists() else []:
         logs.append(f"--- {path.relative_to(root)}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
-    other_tis = []
-    for other in others:
-        try:
-            seen = json.dumps(states(api.task_instances(other.dag_id, other.run_id)))
-            other_tis.append(f"task states of {other.run_id}: {seen}")
-        except Exception as err:  # noqa: BLE001
-            other_tis.append(f"task states of {other.run_id}: ({err})")
-    return (f"task states: {tis}\n" + "\n".join(other_tis) + ("\n" if other_tis else "")
-            + "\n".join(logs)[-8000:] + "\n" + cluster["diagnose"]())
+    return f"task states: {tis}\n" + "\n".join(logs)[-8000:] + "\n" + cluster["diagnose"]()
 
 
-def _picture(cluster, run: Run) -> tuple:
+def _picture(cluster, run_id: str) -> tuple:
     """What can move in a run: task states and tries, the experiment's store events, its Ray jobs."""
     from verl_tasks.layout import Layout
 
-    tis = cluster["api"].task_instances(run.dag_id, run.run_id)
-    events = len(_store(cluster).list(Layout(run.experiment).events + "/"))
-    jobs = tuple(sorted(_ray_jobs(cluster, run.experiment).items()))
+    experiment = run_id.removeprefix("chaos_")
+    tis = cluster["api"].task_instances(DAG_ID, run_id)
+    events = len(_store(cluster).list(Layout(experiment).events + "/"))
+    jobs = tuple(sorted(_ray_jobs(cluster, experiment).items()))
     return tuple((ti_key(t), t["state"], t["try_number"]) for t in tis), events, jobs
 
 
-def _wait(cluster, run: Run, what: str, probe, every: float = 1.0, others: tuple[Run, ...] = ()):
-    """``probe`` until truthy; give up only when nothing in the run (and in ``others``) moved for ``STALL_S``."""
-    taken = {"at": -PICTURE_EVERY_S, "picture": None}
-
-    def progress():
-        if time.monotonic() - taken["at"] >= PICTURE_EVERY_S:
-            taken["at"] = time.monotonic()  # a picture that failed is not retried at once either
-            taken["picture"] = tuple(_picture(cluster, r) for r in (run, *others))
-        return taken["picture"]
-
-    return wait_for(what, probe, STALL_S, every=every, diagnose=lambda: _diagnose(cluster, run, *others),
-                    progress=progress)
+def _wait(cluster, run_id: str, what: str, probe, every: float = 1.0):
+    """``probe`` until truthy; give up only when nothing in the run moved for ``STALL_S``."""
+    return wait_for(what, probe, STALL_S, every=every, diagnose=lambda: _diagnose(cluster, run_id),
+                    progress=lambda: _picture(cluster, run_id))
 
 
-def _trigger(cluster, dag_id: str, experiment: str) -> str:
+def _trigger(cluster, experiment: str) -> str:
     api: Api = cluster["api"]
-    api.request("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+    api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
     run_id = f"chaos_{experiment}"
-    api.request("POST", f"/api/v2/dags/{dag_id}/dagRuns",
+    api.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                 {"dag_run_id": run_id, "logical_date": None, "conf": {"experiment": experiment}})
     return run_id
 
 
-def _tis(cluster, run: Run) -> list[dict]:
-    return cluster["api"].task_instances(run.dag_id, run.run_id)
+def _ti_state(cluster, run_id: str, key: str) -> str | None:
+    return states(cluster["api"].task_instances(DAG_ID, run_id)).get(key)
 
 
-def _ti_state(cluster, run: Run, key: str) -> str | None:
-    return states(_tis(cluster, run)).get(key)
+def _hold(cluster, experiment: str, batch: int) -> Path:
+    """Plan the hold of rollout ``batch`` of epoch 0; returns the file that will name the held PID."""
+    return faults.hold(cluster["hold"], experiment, 0, batch)
 
 
-def _wait_held(cluster, run: Run) -> int:
-    _wait(cluster, run, f"{run.held.stem} to reach the middle of its batch", run.held.exists, every=0.5)
+def _wait_held(cluster, run_id: str, held: Path) -> int:
+    _wait(cluster, run_id, f"{held.stem} to reach the middle of its batch", held.exists, every=0.5)
     time.sleep(0.2)
-    return int(run.held.read_text())
+    return int(held.read_text())
 
 
-def _release(cluster, run: Run) -> None:
-    faults.release(cluster["hold"], run.experiment, 0, run.batch)
+def _release(cluster, experiment: str, batch: int) -> None:
+    faults.release(cluster["hold"], experiment, 0, batch)
 
 
-def _wait_success(cluster, run: Run) -> None:
+def _wait_success(cluster, run_id: str) -> None:
     api: Api = cluster["api"]
 
     def terminal():
-        state = api.dag_run(run.dag_id, run.run_id)["state"]
+        state = api.dag_run(DAG_ID, run_id)["state"]
         return state if state in ("success", "failed") else None
 
-    state = _wait(cluster, run, f"run {run.run_id} to finish", terminal, every=2.0)
-    assert state == "success", f"run {run.run_id} {state}\n{_diagnose(cluster, run)}"
+    state = _wait(cluster, run_id, f"run {run_id} to finish", terminal, every=2.0)
+    assert state == "success", f"run {run_id} {state}\n{_diagnose(cluster, run_id)}"
 
 
 def _check_storage(cluster, experiment: str) -> Counter:
@@ -466,7 +387,7 @@ def _check_storage(cluster, experiment: str) -> Counter:
         assert scored == {r["sample_id"] for r in rows}, f"scores of batch {b} do not match its samples"
     assert len(ids) == len(set(ids)) == BATCHES * 8 * 4, "lost or duplicate sample ids"
     latest = json.loads(store.get(layout.latest))
-    ref = cluster["reference"]()
+    ref = cluster["reference"]
     print(f"weights_sha256 {latest['weights_sha256']} / reference {ref['weights_sha256']}")
     assert latest["version"] == ref["version"] == 1
     assert latest["weights_sha256"] == ref["weights_sha256"]
@@ -478,16 +399,11 @@ def _redone(started: Counter) -> list[str]:
 
 
 def _jobs_client(cluster):
-    """The Jobs API client of the head, kept while its address and token stay (each request is its own)."""
     from verl_tasks.execution.local_head import read_info
     from verl_tasks.execution.ray_jobs import RayJobBackend, RayTarget, read_token
 
     info = read_info(cluster["head_state"])
-    target = RayTarget(info.address, read_token(info.token_file))
-    key = (target.address, target.token)
-    if cluster.get("jobs_client", (None, None))[0] != key:
-        cluster["jobs_client"] = (key, RayJobBackend(target).client)
-    return cluster["jobs_client"][1]
+    return RayJobBackend(RayTarget(info.address, read_token(info.token_file))).client
 
 
 def _ray_jobs(cluster, experiment: str) -> dict[str, str]:
@@ -504,35 +420,35 @@ def _rng(fault: str) -> random.Random:
 
 
 # -- the tests ---------------------------------------------------------------------------------
-def test_rollout_worker_sigkilled_mid_batch(cluster, runs):
-    """Row 1: the pool worker running the held rollout batch is SIGKILLed; the unit is redone (by the job
-    sending its attempt again to the restarted actor, or by Airflow's retry) and the run ends on the
-    fault-free weights."""
-    run = runs["test_rollout_worker_sigkilled_mid_batch"]
-    batch = run.batch
+def test_rollout_worker_sigkilled_mid_batch(cluster):
+    rng = _rng("rollout_worker_sigkill")
+    batch = rng.randrange(BATCHES)
+    experiment = f"chaos-kill-{secrets.token_hex(2)}"
+    held = _hold(cluster, experiment, batch)
+    t0 = time.monotonic()
+    run_id = _trigger(cluster, experiment)
     try:
-        pid = _wait_held(cluster, run)
+        pid = _wait_held(cluster, run_id, held)
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         assert "ray" in cmdline.lower(), f"pid {pid} is not a Ray worker: {cmdline}"
         print(f"\nbatch {batch} held in pid {pid} ({cmdline[:80]}); SIGKILL")
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
     finally:
-        _release(cluster, run)
-    _wait(cluster, run, f"{ROLLOUT}[{batch}] to succeed again",
-          lambda: _ti_state(cluster, run, f"{ROLLOUT}[{batch}]") == "success")
+        _release(cluster, experiment, batch)
+    _wait(cluster, run_id, f"{ROLLOUT}[{batch}] to succeed again",
+          lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success")
     recovery_s = time.monotonic() - killed_at
-    _wait_success(cluster, run)
-    print(f"run succeeded {time.monotonic() - run.triggered_at:.0f}s after the trigger; "
-          f"unit recovered in {recovery_s:.1f}s")
+    _wait_success(cluster, run_id)
+    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; unit recovered in {recovery_s:.1f}s")
 
-    started = _check_storage(cluster, run.experiment)
+    started = _check_storage(cluster, experiment)
     redone = _redone(started)
     from verl_tasks.layout import Layout
 
-    assert redone == [Layout(run.experiment).rollout(0, batch)], started
-    jobs = _ray_jobs(cluster, run.experiment)
-    prefix = f"vt-{run.experiment}-e0-rollout-b{batch}-"
+    assert redone == [Layout(experiment).rollout(0, batch)], started
+    jobs = _ray_jobs(cluster, experiment)
+    prefix = f"vt-{experiment}-e0-rollout-b{batch}-"
     # Ray restarts the actor (max_restarts=-1). Either it fails the killed call (the job fails, Airflow's
     # retry is job a2) or it reports the actor as restarting, and the job sends the same attempt to the
     # restarted actor (pools.run_unit): the unit is redone inside job a1.
@@ -548,89 +464,84 @@ def test_rollout_worker_sigkilled_mid_batch(cluster, runs):
                 recovery=recovery, redone=redone)
 
 
-def test_scheduler_restarted_during_run(cluster, runs):
-    """Row 10: the scheduler's process group is SIGKILLed while the held rollout waits deferred, and started
-    again; the run completes with no unit redone, on the fault-free weights."""
-    run = runs["test_scheduler_restarted_during_run"]
-    others = tuple(r for r in runs.values() if r is not run)
-    rng, batch = run.rng, run.batch
-    scheduler: Component = cluster["parts"]["scheduler"]
-    try:
-        _wait_held(cluster, run)
-
-        def no_task_holds_a_slot() -> bool:
-            return all(not {"running", "queued"} & set(states(_tis(cluster, r)).values()) for r in (run, *others))
-
-        # Kill while no task of any run holds a worker slot (held rollouts are deferred in the triggerer).
-        _wait(cluster, run, "no running task instance in any run", no_task_holds_a_slot, every=0.3, others=others)
-        print(f"\nbatch {batch} held; SIGKILL the scheduler's process group ({scheduler.proc.pid})")
-        killed_at = time.monotonic()
-        scheduler.kill(signal.SIGKILL)
-    finally:
-        _release(cluster, run)  # the job finishes while no scheduler runs
-    time.sleep(rng.uniform(3, 8))
-    scheduler.start()
-    restarted_at = time.monotonic()
-    _wait(cluster, run, f"{ROLLOUT}[{batch}] to succeed",
-          lambda: _ti_state(cluster, run, f"{ROLLOUT}[{batch}]") == "success")
-    recovery_s = time.monotonic() - killed_at
-    _wait_success(cluster, run)
-    print(f"run succeeded {time.monotonic() - run.triggered_at:.0f}s after the trigger; held unit done "
-          f"{recovery_s:.1f}s after the kill ({time.monotonic() - restarted_at:.1f}s after the restart to run success)")
-
-    started = _check_storage(cluster, run.experiment)
-    redone = _redone(started)
-    assert not redone, started
-    util.record("scheduler_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
-                scheduler_down_s=round(restarted_at - killed_at, 1),
-                recovery="restart the scheduler; deferred tasks and Ray jobs carry on, the run completes")
-
-
-def test_ray_head_restarted_during_epoch(cluster, runs):
-    """Row 9: the Ray head is stopped while the held rollout runs and started again on the same ports with the
-    same token; Airflow's retries run the lost units on the new head and the run ends on the fault-free
-    weights."""
-    from tests.faults.vt_faults import HOLD_LIMIT_S
+def test_ray_head_restarted_during_epoch(cluster):
     from verl_tasks.execution import local_head
 
-    run = runs["test_ray_head_restarted_during_epoch"]
-    rng, batch = run.rng, run.batch
+    rng = _rng("ray_head_restart")
+    batch = rng.randrange(BATCHES)
+    experiment = f"chaos-head-{secrets.token_hex(2)}"
+    held = _hold(cluster, experiment, batch)
+    t0 = time.monotonic()
+    run_id = _trigger(cluster, experiment)
     ray_port, dash_port = cluster["ports"]
     try:
-        _wait_held(cluster, run)
-        # The hook lets a batch go after HOLD_LIMIT_S: the stop must find it still waiting.
-        held_s = time.time() - run.held.stat().st_mtime
-        assert held_s < HOLD_LIMIT_S - 30, f"batch {batch} held {held_s:.0f}s: its hold is about to lapse"
-        print(f"\nbatch {batch} held ({held_s:.0f}s); restarting the Ray head")
+        _wait_held(cluster, run_id, held)
+        print(f"\nbatch {batch} held; restarting the Ray head")
         stopped_at = time.monotonic()
         assert local_head.stop(cluster["head_state"]), "the head was not running"
     finally:
-        _release(cluster, run)
+        _release(cluster, experiment, batch)
     time.sleep(rng.uniform(1, 4))  # the cluster stays down a (seeded) moment
-    local_head.start(cluster["head_state"], port=ray_port, dashboard_port=dash_port, num_cpus=HEAD_CPUS)
+    local_head.start(cluster["head_state"], port=ray_port, dashboard_port=dash_port, num_cpus=8)
     head_down_s = time.monotonic() - stopped_at
     print(f"head back after {head_down_s:.1f}s")
-    _wait(cluster, run, f"{ROLLOUT}[{batch}] to succeed again",
-          lambda: _ti_state(cluster, run, f"{ROLLOUT}[{batch}]") == "success")
+    _wait(cluster, run_id, f"{ROLLOUT}[{batch}] to succeed again",
+          lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success")
     recovery_s = time.monotonic() - stopped_at
-    _wait_success(cluster, run)
-    print(f"run succeeded {time.monotonic() - run.triggered_at:.0f}s after the trigger; "
+    _wait_success(cluster, run_id)
+    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; "
           f"unit recovered {recovery_s:.1f}s after the stop")
 
-    started = _check_storage(cluster, run.experiment)
+    started = _check_storage(cluster, experiment)
     redone = _redone(started)
     from verl_tasks.layout import Layout
 
     # The held unit was killed with the head and redone, or its worker outlived the stopped raylet
     # long enough to finish it (the store is not on the cluster) and the retry found its marker.
-    held_unit = Layout(run.experiment).rollout(0, batch)
+    held_unit = Layout(experiment).rollout(0, batch)
     assert started[held_unit] in (1, 2), started
     # only units in flight at the restart can have been redone: rollouts of this epoch
     assert all("/rollout/" in u for u in redone), redone
-    tries = {ti_key(t): t["try_number"] for t in _tis(cluster, run)}
+    tries = {ti_key(t): t["try_number"] for t in cluster["api"].task_instances(DAG_ID, run_id)}
     assert tries[f"{ROLLOUT}[{batch}]"] >= 2, tries
     util.record("ray_head_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
                 head_down_s=round(head_down_s, 1),
                 recovery="automatic Airflow retries resubmit to the restarted head; the pool actors are recreated"
                          + ("" if held_unit in redone else " (the held unit had committed before its worker died)"),
                 redone=redone)
+
+
+def test_scheduler_restarted_during_run(cluster):
+    rng = _rng("scheduler_restart")
+    batch = rng.randrange(BATCHES)
+    experiment = f"chaos-sched-{secrets.token_hex(2)}"
+    scheduler: Component = cluster["parts"]["scheduler"]
+    held = _hold(cluster, experiment, batch)
+    t0 = time.monotonic()
+    run_id = _trigger(cluster, experiment)
+    try:
+        _wait_held(cluster, run_id, held)
+        # Kill while no task holds a worker slot (the held rollout is deferred in the triggerer).
+        _wait(cluster, run_id, "no running task instance", lambda: not {"running", "queued"} & set(
+            states(cluster["api"].task_instances(DAG_ID, run_id)).values()), every=0.3)
+        print(f"\nbatch {batch} held; SIGKILL the scheduler's process group ({scheduler.proc.pid})")
+        killed_at = time.monotonic()
+        scheduler.kill(signal.SIGKILL)
+    finally:
+        _release(cluster, experiment, batch)  # the job finishes while no scheduler runs
+    time.sleep(rng.uniform(3, 8))
+    scheduler.start()
+    restarted_at = time.monotonic()
+    _wait(cluster, run_id, f"{ROLLOUT}[{batch}] to succeed",
+          lambda: _ti_state(cluster, run_id, f"{ROLLOUT}[{batch}]") == "success")
+    recovery_s = time.monotonic() - killed_at
+    _wait_success(cluster, run_id)
+    print(f"run succeeded {time.monotonic() - t0:.0f}s after the trigger; held unit done {recovery_s:.1f}s after "
+          f"the kill ({time.monotonic() - restarted_at:.1f}s after the restart to run success)")
+
+    started = _check_storage(cluster, experiment)
+    redone = _redone(started)
+    assert not redone, started
+    util.record("scheduler_restart", recovery_s=round(recovery_s, 1), redone_units=len(redone),
+                scheduler_down_s=round(restarted_at - killed_at, 1),
+                recovery="restart the scheduler; deferred tasks and Ray jobs carry on, the run completes")
