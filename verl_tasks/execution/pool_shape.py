@@ -75,9 +75,9 @@ class PoolShape:
         if phase == "update" and res.distributed:
             return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s,
                        store=store_identity(config))
-        # A sharded vLLM engine (rollout's, and evaluate's, which builds the same engine) holds its GPUs
-        # as one placement group, or vLLM would make its own beside the GPUs the actor reserved.
-        bundles = config.rollout.tensor_parallel_size if phase in ("rollout", "evaluate") else 1
+        # A sharded vLLM engine (rollout's, and evaluate's and top_up's, which build the same engine) holds its
+        # GPUs as one placement group, or vLLM would make its own beside the GPUs the actor reserved.
+        bundles = config.rollout.tensor_parallel_size if phase in ("rollout", "top_up", "evaluate") else 1
         shared = res.num_gpus == 0 and bundles == 1 and pool_kind(phase) != GATE_KIND
         kind = CPU_KIND if shared else pool_kind(phase)
         return cls(config.experiment, kind, res.num_cpus, res.num_gpus, res.memory_mb,
@@ -163,7 +163,10 @@ def gpu_sharing_phases(config: ExperimentConfig, cluster_gpus: float | None) -> 
     its own workers, and so does a sharded engine, ``tensor_parallel_size`` > 1). ``auto`` shares them
     when ``cluster_gpus`` (None: unknown, no sharing) is less than what their separate pools hold together.
     """
-    asking = tuple(phase for phase in GPU_PHASES if config.phase_resources(phase).num_gpus > 0
+    from verl_tasks.phase_registry import phases_for
+
+    runs = phases_for(config)  # top_up and the critic only where the experiment has them
+    asking = tuple(phase for phase in GPU_PHASES if phase in runs and config.phase_resources(phase).num_gpus > 0
                    and not (phase == "update" and config.phase_resources(phase).distributed))
     mode = config.placement.gpu_phases
     if len(asking) < 2 or mode == "separate" or config.rollout.tensor_parallel_size > 1:
