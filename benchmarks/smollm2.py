@@ -2,13 +2,14 @@
 LoRA; written into BENCHMARKS.md.
 
     .venv/bin/python benchmarks/smollm2.py [--epochs 10] [--engines hf vllm] [--variants full lora]
-        [--lora-rank 16] [--lora-lr 5e-5] [--json RESULTS.json] [--output BENCHMARKS.md]
-    .venv/bin/python benchmarks/smollm2.py --from-json RESULTS.json     # render saved results again
+        [--lora-rank 16] [--lora-lr 5e-5] [--vllm-lora auto|adapter|merged] [--json RESULTS.json]
+        [--output BENCHMARKS.md]
+    .venv/bin/python benchmarks/smollm2.py --from-json RESULTS.json [MORE.json ...]   # render saved results
 
 Per engine and variant, ``verl-tasks run dags/experiments/smollm2_arith.yaml`` (inline, a fresh store, the
 engine set by ``rollout.engine``; ``lora``: ``model.lora`` on every linear layer, alpha twice the rank, at its
-own learning rate) trains the given epochs. From the store and the state log: the
-held-out accuracy of every version (greedy, 128 prompts), the train reward, rollout tokens per
+own learning rate, and on vLLM ``rollout.vllm_lora`` as given) trains the given epochs. From the store and the
+state log: the held-out accuracy of every version (greedy, 128 prompts), the train reward, rollout tokens per
 second (response tokens over the rollout unit's duration), the update's time (training, and writing
 the weights and optimizer state), the bytes each epoch's snapshot adds (median), the peak memory of the
 whole process tree (the CLI, its reward worker and, for vLLM, the engine's processes) and of the CLI
@@ -77,6 +78,8 @@ def run_engine(engine: str, epochs: int, work: Path, lora: dict | None = None) -
     import yaml
 
     label = f"{engine}, {'LoRA r' + str(lora['rank']) if lora else 'full'}"
+    if lora and engine == "vllm":
+        label += f" ({lora['vllm_lora']})"
     name = f"{engine}-{'lora' if lora else 'full'}"
     raw = yaml.safe_load(CONFIG.read_text())
     raw.update(experiment=f"smollm2-arith-{name}", epochs=epochs)
@@ -86,6 +89,7 @@ def run_engine(engine: str, epochs: int, work: Path, lora: dict | None = None) -
     if lora:
         raw["model"]["lora"] = {"rank": lora["rank"], "alpha": 2 * lora["rank"]}
         raw["algorithm"]["lr"] = lora["lr"]
+        raw["rollout"]["vllm_lora"] = lora["vllm_lora"]
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(raw))
     started = time.monotonic()
@@ -100,7 +104,8 @@ def run_engine(engine: str, epochs: int, work: Path, lora: dict | None = None) -
     measured = from_store(config)
     windows = measured.pop("update_windows")
     in_update = [rss for t, rss in peak.samples if any(a <= t <= b for a, b in windows)]
-    return {"engine": label, "lr": raw["algorithm"]["lr"], "wall_s": round(wall, 1),
+    return {"engine": label, "lr": raw["algorithm"]["lr"], "vllm_lora": raw["rollout"].get("vllm_lora"),
+            "wall_s": round(wall, 1),
             "peak_tree_gb": round(peak.peak / 2**30, 2), "peak_cli_gb": round(peak.own_peak / 2**30, 2),
             "update_peak_gb": round(max(in_update, default=0) / 2**30, 2), **measured}
 
@@ -164,7 +169,10 @@ def markdown(results: list[dict], command: str, date: str) -> str:
         "but the LM head, alpha = 2 x rank, " + ", ".join(sorted({f"lr {r['lr']:g}" for r in results
                                                                   if "LoRA" in r["engine"]})) + "); held-out "
         f"accuracy is greedy on {results[0]['eval_prompts']} held-out prompts (the last integer of the reply must "
-        f"be the sum).",
+        f"be the sum)." + (" vLLM with LoRA (`rollout.vllm_lora`): adapter = vLLM's LoRA kernels apply each version's "
+                           "adapter to the base weights, loaded once; merged = each version's weights with the "
+                           "adapter merged in, reloaded in place."
+                           if any(r["engine"].startswith("vllm, LoRA") for r in results) else ""),
         "",
         "| policy | " + " | ".join(f"{r['engine']}: held-out accuracy | {r['engine']}: train reward" for r in results)
         + " |",
@@ -204,21 +212,26 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["full"], choices=["full", "lora"])
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-lr", type=float, default=5e-5)
+    parser.add_argument("--vllm-lora", default="auto", choices=["auto", "adapter", "merged"],
+                        help="rollout.vllm_lora of the LoRA runs on vLLM")
     parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument("--json", type=Path, help="also save the results (and the command) here")
-    parser.add_argument("--from-json", type=Path, help="render results a run saved with --json; run nothing")
+    parser.add_argument("--from-json", type=Path, nargs="+",
+                        help="render results runs saved with --json (one table, in the order given); run nothing")
     args = parser.parse_args()
     from benchmarks.run import write_section
 
     if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        results, command, date = saved["results"], saved["command"], saved["date"]
+        saved = [json.loads(path.read_text()) for path in args.from_json]
+        results = [result for run in saved for result in run["results"]]
+        command = "` and `".join(run["command"] for run in saved)
+        date = ", ".join(sorted({run["date"] for run in saved}))
     else:
         from verl_tasks.models.gguf_import import import_gguf, packaged_smollm2
 
         import_gguf(packaged_smollm2(), MODEL)
         with tempfile.TemporaryDirectory() as tmp:
-            lora = {"rank": args.lora_rank, "lr": args.lora_lr}
+            lora = {"rank": args.lora_rank, "lr": args.lora_lr, "vllm_lora": args.vllm_lora}
             results = [run_engine(engine, args.epochs, Path(tmp), lora if variant == "lora" else None)
                        for engine in args.engines for variant in args.variants]
         command = ("python benchmarks/smollm2.py " + " ".join(sys.argv[1:])).strip()

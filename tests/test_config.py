@@ -190,3 +190,12 @@ def test_an_unknown_conf_key_is_refused_with_its_likely_spelling(tmp_path):
         resolve(TINY_YAML, {"experimnet": "mine"})
     with pytest.raises(ConfigError, match=r"invalid experiment name 'victim\\n'"):
         resolve(TINY_YAML, {"experiment": "victim\n"})
+
+
+@pytest.mark.parametrize("name, pinned", [("tiny_arith", "162c363e05e5f910"), ("smollm2_arith", "71c73b9022c14798")])
+def test_the_shipped_experiments_keep_the_config_hash_their_runs_are_pinned_with(name, pinned):
+    """A key added to a hashed section must leave existing configs' hashes alone (ADDED_AT_DEFAULT, or out of the
+    hash): a changed hash refuses to resume every experiment pinned before it, as runs of these YAMLs are."""
+    from .conftest import ROOT
+
+    assert load_config(ROOT / "dags" / "experiments" / f"{name}.yaml").config_hash()[:16] == pinned

@@ -41,7 +41,7 @@ def test_hooks_load_only_in_processes_the_harness_starts(tmp_path, monkeypatch):
     assert _registered(plain) == []
     assert _registered({**plain, faults.FAULTS_ENV: str(tmp_path)}) == []  # the variable alone does nothing
     registered = _registered({**plain, **faults.harness_env(tmp_path, plain)})
-    assert registered == ["before_commit", "rollout_generate", "unit_start", "update_worker_step"]
+    assert registered == ["before_commit", "critic_step", "rollout_generate", "unit_start", "update_worker_step"]
 
 
 def test_process_hooks_fire_at_unit_start_and_inside_phases(tiny_config, tmp_path):

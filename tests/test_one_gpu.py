@@ -29,6 +29,22 @@ def test_gpu_phases_share_a_pool_only_when_the_cluster_lacks_gpus_for_separate_o
     assert gpu_sharing_phases(distributed, 1.0) == ("rollout", "evaluate")  # its workers stay its own
 
 
+def test_a_critic_on_a_worker_group_keeps_its_gpus_out_of_the_shared_pool(tiny_config):
+    """``resources.critic.workers: 2``: the critic's pool is one driver actor holding no GPU (its two workers
+    reserve theirs, like a distributed update's), it shares no pool, and the head's CPU count covers the workers."""
+    from verl_tasks.execution.pool_shape import cpus_for
+
+    ppo = {**ONE_GPU_EACH, "algorithm.adv_estimator": "gae", "critic": {"lr": 1e-4}, "resources.critic.num_gpus": 1}
+    one = tiny_config(**ppo)
+    assert gpu_sharing_phases(one, 1.0) == ("rollout", "critic", "update", "evaluate")
+    grouped = tiny_config(**ppo, **{"resources.critic.workers": 2})
+    assert gpu_sharing_phases(grouped, 1.0) == ("rollout", "update", "evaluate")
+    driver = PoolShape.for_phase(grouped, "critic", 1.0)
+    assert (driver.workers, driver.num_gpus, driver.kind) == (1, 0, "critic")
+    # The driver takes the one-process critic's CPU; its two workers add theirs.
+    assert cpus_for(grouped) == cpus_for(one) + 2 * grouped.phase_resources("critic").num_cpus
+
+
 def test_fractional_gpus_that_cannot_hold_their_engines_are_refused_before_any_compute(tiny_config):
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization to 0\.45 or less"):
         tiny_config(**{"rollout.engine": "vllm", "resources.rollout.num_gpus": 0.5})

@@ -24,6 +24,24 @@ def test_a_distributed_update_pool_is_one_actor_without_gpus(tiny_config):
     assert (one.workers, one.num_gpus) == (1, 1)  # one ddp worker computes in the pool actor itself
 
 
+def test_without_pools_a_job_that_drives_a_group_reserves_no_gpu(tiny_config):
+    """VERL_TASKS_POOLS=0: the unit's job entrypoint reserves the phase's resources, except the GPUs and memory
+    of a distributed update's or critic's workers (they reserve their own); with pools it reserves nothing."""
+    from verl_tasks.execution.ray_jobs import entrypoint_resources
+
+    gpus = {"resources.update.num_gpus": 1, "resources.update.memory_mb": 4096, "resources.critic.num_gpus": 1,
+            "algorithm.adv_estimator": "gae", "critic": {"lr": 1e-4}}
+    one = tiny_config(**gpus)
+    assert entrypoint_resources(one, "update", pool=False) == {
+        "entrypoint_num_cpus": 1, "entrypoint_num_gpus": 1, "entrypoint_memory": 4096 * 1024 * 1024}
+    assert entrypoint_resources(one, "critic", pool=False)["entrypoint_num_gpus"] == 1
+    grouped = tiny_config(**gpus, **{"resources.update.workers": 2, "resources.critic.workers": 2})
+    for phase in ("update", "critic"):
+        assert entrypoint_resources(grouped, phase, pool=False) == {
+            "entrypoint_num_cpus": 1, "entrypoint_num_gpus": 0, "entrypoint_memory": None}
+        assert entrypoint_resources(grouped, phase, pool=True)["entrypoint_num_gpus"] == 0
+
+
 @pytest.mark.slow
 def test_the_update_pool_actor_runs_two_resident_workers_on_a_head_just_big_enough(tiny_config, tmp_path_factory):
     """3 logical CPUs: the driver actor takes one, the two workers the others; the unit commits."""

@@ -33,6 +33,10 @@ from verl_tasks.store.units import read_json, read_marker
 
 from .conftest import TINY_YAML, small_overrides
 
+# The module takes minutes (each test forms its own group of Ray workers): marked slow, it is handed out first
+# (tests/conftest.py), not left to run alone at the end of a parallel run.
+pytestmark = pytest.mark.slow
+
 # A graded reward, so advantages (and gradients) are not all zero on the barely warm-started policy;
 # a KL term, so the reference log-probs are computed by the workers too.
 OVERRIDES = {"rewards.function": "tests.reward_fixtures:shared_characters", "model.tiny.warm_start_steps": 20,
@@ -240,6 +244,134 @@ def test_a_killed_worker_fails_the_attempt_fast_and_the_retry_commits_the_same_b
     got, want = (read_marker(c.store, c.layout.update(0)) for c in (ctx, reference))
     weights_and_state = {n for n in want.files if n == WEIGHTS or n.startswith("optimizer.")}
     assert {n: got.files[n].sha256 for n in weights_and_state} == {n: want.files[n].sha256 for n in weights_and_state}
+
+
+@pytest.fixture
+def own_groups():
+    """The groups a test forms are dismissed after it: later tests count the workers and CPUs groups hold."""
+    from verl_tasks.train import group
+
+    yield
+    group.release()
+
+
+LORA = {"model.lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]},
+        "algorithm.lr": 1e-3}
+
+
+def test_a_lora_update_on_two_workers_trains_the_adapter_one_process_trains(plan_dir, tmp_path, own_groups):
+    """``model.lora`` on two ddp workers: each holds the frozen base with the adapter, only the adapter's
+    gradients are all-reduced, the KL reference is the base with the adapter off, and rank 0 commits the
+    adapter and its AdamW state only. The adapter equals the one-process update's within ``WEIGHT_ATOL``;
+    the next epoch trains on the adapter the group holds."""
+    from verl_tasks.store.conventions import ADAPTER
+
+    _run_epoch(_ctx(tmp_path / "validated", 1, **LORA), 0, "validate")
+    runs = {}
+    for workers in (1, 2):
+        shutil.copytree(tmp_path / "validated", tmp_path / f"w{workers}")
+        runs[workers] = ctx = _ctx(tmp_path / f"w{workers}", workers, **LORA)
+        run_phase(ctx, "update", 0)
+    unit = runs[1].layout.update(0)
+    one, two = (load_file(str(_unit_file(runs[w], unit, ADAPTER))) for w in (1, 2))
+    moved = max(t.abs().max().item() for name, t in one.items() if "lora_B" in name)  # B starts at zero
+    diff = _max_diff(one, two)
+    print(f"LoRA: max |adapter(1 process) - adapter(2 workers)| = {diff:.3e}; lora_B moved by up to {moved:.3e}")
+    assert moved > 20 * WEIGHT_ATOL, "the update barely moved the adapter: the comparison would be empty"
+    assert diff < WEIGHT_ATOL
+    record = read_marker(runs[2].store, unit)
+    assert record.meta["update_workers"] == 2 and WEIGHTS not in record.files
+    assert {ADAPTER, OPTIMIZER_INDEX, "optimizer.safetensors"} <= set(record.files)
+    state = load_file(str(_unit_file(runs[2], unit, "optimizer.safetensors")))
+    assert state and all("lora_" in key for key in state), "optimizer state beyond the adapter's"
+
+    # Epoch 1 starts from a trained adapter (its AdamW state too): the group trains the one it holds, the one
+    # process reads it from the store, and the KL to the base (the adapter off) is no longer zero.
+    for ctx in runs.values():
+        run_phase(ctx, "snapshot", 0)
+        _run_epoch(ctx, 1, "update")
+    unit = runs[1].layout.update(1)
+    later = read_marker(runs[2].store, unit)
+    assert later.meta["ran"]["policy"] == "resident" and later.meta["ran"]["trainable_parameters"] > 0
+    assert later.files[ADAPTER].sha256 != record.files[ADAPTER].sha256
+    one, two = (load_file(str(_unit_file(runs[w], unit, ADAPTER))) for w in (1, 2))
+    moved, diff = _max_diff(one, load_file(str(_unit_file(runs[1], runs[1].layout.update(0), ADAPTER)))), \
+        _max_diff(one, two)
+    print(f"LoRA epoch 1: max |adapter(1 process) - adapter(2 workers)| = {diff:.3e}; moved by up to {moved:.3e}")
+    assert moved > 20 * WEIGHT_ATOL and diff < WEIGHT_ATOL
+    kl = [read_json(runs[w].store, read_marker(runs[w].store, unit), "metrics.json")["actor/kl_loss"] for w in (1, 2)]
+    assert kl[0] > 0 and kl[1] == pytest.approx(kl[0], rel=1e-4), kl
+    run_phase(runs[2], "snapshot", 1)
+    verdict = verify(SnapshotRef(runs[2].store, runs[2].layout, 2))
+    assert verdict.ok, verdict.line()
+
+
+PPO = {"algorithm.adv_estimator": "gae", "critic": {"lr": 3e-4}}
+CRITIC_GROUP = {"resources.critic.workers": 2, "resources.critic.micro_batch_size": 5}
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(plan_dir, tmp_path_factory):
+    """A PPO epoch 0 validated once; its critic and update run on a copy with the critic in one process (``1``)
+    and on two workers taking 5 rows per forward (``2``: several micro-batches, DDP's ``no_sync``, a worker's last
+    part shorter). The groups formed are dismissed after."""
+    from verl_tasks.train import group
+
+    root = tmp_path_factory.mktemp("ppo")
+    _run_epoch(_ctx(root / "validated", 1, **PPO), 0, "validate")
+    runs: dict = {"validated": root / "validated"}
+    for workers in (1, 2):
+        shutil.copytree(root / "validated", root / f"w{workers}")
+        runs[workers] = ctx = _ctx(root / f"w{workers}", 1, **PPO, **CRITIC_GROUP if workers == 2 else {})
+        run_phase(ctx, "critic", 0)
+        run_phase(ctx, "update", 0)
+    group.release()
+    return runs
+
+
+def test_the_critic_on_two_workers_values_and_trains_as_one_process(ppo_runs):
+    """``resources.critic.workers: 2``: DDP workers each value their share of the rows (all-gathered), compute the
+    same GAE, and train on their share of every minibatch. The committed critic is within ``WEIGHT_ATOL`` of the
+    one-process critic, the advantages and metrics agree, and the policy update trained on them does too."""
+    from verl_tasks.phases.update_inputs import ADVANTAGES
+
+    one, two = ppo_runs[1], ppo_runs[2]
+    unit = one.layout.critic(0)
+    record = read_marker(two.store, unit)
+    assert record.meta["ran"]["workers"] == 2, record.meta["ran"]  # what the group's rank 0 reported
+    critic = [load_file(str(_unit_file(run, unit, "critic.model.safetensors"))) for run in (one, two)]
+    start = load_file(str(_unit_file(one, one.layout.snapshot(0), "critic.model.safetensors")))
+    moved, diff = _max_diff(critic[0], start), _max_diff(*critic)
+    print(f"critic: max |w(1 process) - w(2 workers)| = {diff:.3e}; the update moved it by up to {moved:.3e}")
+    assert moved > 20 * WEIGHT_ATOL and diff < WEIGHT_ATOL
+    advantages = [load_file(str(_unit_file(run, unit, ADVANTAGES))) for run in (one, two)]
+    for key in ("values", "returns", "advantages"):
+        torch.testing.assert_close(advantages[1][key], advantages[0][key], atol=1e-5, rtol=1e-4, msg=key)
+    m1, m2 = (read_json(run.store, read_marker(run.store, unit), "metrics.json") for run in (one, two))
+    assert m1.keys() == m2.keys()
+    for key, value in m1.items():
+        assert m2[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    policy = one.layout.update(0)
+    assert _max_diff(_weights(one, policy), _weights(two, policy)) < WEIGHT_ATOL
+
+
+def test_a_killed_critic_worker_fails_the_attempt_fast_and_the_retry_commits_the_same_bytes(
+        ppo_runs, plan_dir, tmp_path, own_groups):
+    """Critic worker 1 SIGKILLed mid-step: the attempt fails within ``FAIL_WITHIN_S``, nothing is committed, and
+    the retry (a fresh group) commits the critic and advantages the fault-free two-worker unit committed, byte for
+    byte."""
+    shutil.copytree(ppo_runs["validated"], tmp_path / "store")
+    ctx = _ctx(tmp_path / "store", 1, **PPO, **CRITIC_GROUP)
+    killed = kill_update_worker(plan_dir, ctx.config.experiment, 0, rank=1, phase="critic")
+    with pytest.raises(PhaseFailed, match="critic worker failed") as failure:
+        run_phase(ctx, "critic", 0)
+    failed_at = time.time()
+    assert killed.exists(), f"critic worker 1 was not killed; the attempt failed otherwise: {failure.value}"
+    assert failed_at - killed.stat().st_ctime < FAIL_WITHIN_S
+    assert read_marker(ctx.store, ctx.layout.critic(0)) is None
+    run_phase(ctx, "critic", 0)
+    got, want = (read_marker(c.store, c.layout.critic(0)) for c in (ctx, ppo_runs[2]))
+    assert {n: e.sha256 for n, e in got.files.items()} == {n: e.sha256 for n, e in want.files.items()}
 
 
 def test_shards_partition_the_minibatch_and_weights_sum_to_one():

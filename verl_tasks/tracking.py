@@ -44,19 +44,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRACKED_PHASES = ("update", "evaluate")
+TRACKED_PHASES = ("update", "critic", "evaluate")
 MLFLOW_PARAMS_PER_CALL = 100  # MLflow's log_batch limits
 MLFLOW_METRICS_PER_CALL = 1000
 
 
 def track_commit(ctx: PhaseContext, phase: str, unit: str, epoch: int, record: CommitRecord) -> None:
-    """Log a just-committed update or evaluation to each configured tracker; other phases do nothing."""
+    """Log a just-committed update, critic update or evaluation to each configured tracker; other phases do
+    nothing. A metric is named ``phase/name`` (the critic's own names start with ``critic/`` already)."""
     trackers = ctx.config.tracking
     if phase not in TRACKED_PHASES or not (trackers.mlflow or trackers.tensorboard):
         return
     base = unit == ctx.layout.base_evaluate
     prefix = "base_evaluate" if base else phase
-    metrics = {f"{prefix}/{name}": float(value) for name, value in (record.meta.get("metrics") or {}).items()
+    metrics = {name if name.startswith(f"{prefix}/") else f"{prefix}/{name}": float(value)
+               for name, value in (record.meta.get("metrics") or {}).items()
                if isinstance(value, (int, float)) and not isinstance(value, bool)}
     version = 0 if base else epoch + 1
     tags = {"snapshot/base" if base else f"snapshot/epoch_{epoch:05d}": ctx.store.url(ctx.layout.snapshot(version))}

@@ -188,7 +188,7 @@ RULES: tuple[Rule, ...] = (
     Rule("actor_rollout_ref.actor.use_kl_loss", "algorithm.kl_type", "false: none; true: kl_loss_type"),
     Rule("actor_rollout_ref.actor.kl_loss_type", "algorithm.kl_type", "kl/k1, mse/k2, low_var_kl/k3", _kl_type),
     Rule("actor_rollout_ref.actor.kl_loss_coef", "algorithm.kl_coef", "same (0 without use_kl_loss)"),
-    Rule("actor_rollout_ref.actor.strategy", "resources.update.strategy", "fsdp, fsdp2 -> fsdp2",
+    Rule("actor_rollout_ref.actor.strategy", "resources.update.strategy", "fsdp, fsdp2 -> fsdp2 (ddp with LoRA)",
          _one_of(("fsdp", "fsdp2"), "actor strategy")),
     Rule("actor_rollout_ref.rollout.name", "rollout.engine", "vllm or hf", _engine),
     Rule("actor_rollout_ref.rollout.n", "algorithm.group_size", "same"),
@@ -246,8 +246,8 @@ NOT_NEEDED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "log-probs use the update's micro-batch"),
     ("actor_rollout_ref.model.use_remove_padding", "an implementation choice of verl's actor"),
     ("actor_rollout_ref.model.use_shm", "how verl loads a model; nothing is downloaded here"),
-    ("actor_rollout_ref.rollout.load_format", "how verl's vLLM loads weights; a LoRA version is handed to the "
-     "engine merged into the base"),
+    ("actor_rollout_ref.rollout.load_format", "how verl's vLLM loads weights; a LoRA version reaches vLLM as an "
+     "adapter or merged, rollout.vllm_lora"),
     ("actor_rollout_ref.rollout.layered_summon", "how verl gathers FSDP-sharded LoRA weights"),
     ("actor_rollout_ref.model.enable_gradient_checkpointing", "an implementation choice of verl's actor"),
     ("data.filter_overlong_prompts", "a prompt longer than data.max_prompt_tokens is a data error, named"),
@@ -257,11 +257,13 @@ NOT_NEEDED: tuple[tuple[str, str], ...] = (
     ("trainer.n_gpus_per_node", "resources.<phase>.num_gpus / workers per phase"),
     ("trainer.nnodes", "Ray places the phases' pools on the cluster's nodes"),
     ("trainer.save_freq", "every epoch commits a snapshot; storage.keep_snapshots prunes"),
-    ("critic.model.fsdp_config.*", "FSDP memory knobs of verl's critic; the critic trains in one process"),
+    ("critic.model.fsdp_config.*", "FSDP memory knobs of verl's critic; the critic is replicated (ddp), never "
+     "sharded"),
     ("critic.model.use_remove_padding", "an implementation choice of verl's critic"),
     ("critic.model.enable_gradient_checkpointing", "an implementation choice of verl's critic"),
     ("critic.model.tokenizer_path", "the critic reads the policy's token ids"),
-    ("critic.strategy", "the critic trains in one process"),
+    ("critic.strategy", "the critic trains in one process, or on resources.critic.workers replicated (ddp) "
+     "workers"),
     ("critic.enable", "a critic is used exactly when adv_estimator is gae, as in verl"),
     ("trainer.use_legacy_worker_impl", "an implementation choice of verl's workers"),
     ("trainer.default_local_dir", "storage.uri"),
@@ -518,8 +520,11 @@ def import_verl(config: dict[str, Any] | None, overrides: Iterable[str] = ()) ->
         _set(out, "algorithm.kl_type", "none")
     if values.get(a + "ppo_micro_batch_size_per_gpu"):
         _set(out, "resources.update.micro_batch_size", number(a + "ppo_micro_batch_size_per_gpu", minimum=1))
-    if values.get(a + "strategy"):
-        if take(a + "strategy"):
+    if values.get(a + "strategy") and take(a + "strategy"):
+        if values.get("actor_rollout_ref.model.lora_rank"):
+            result.not_needed[a + "strategy"] = ("with LoRA the adapter trains on replicated (ddp) workers, each "
+                                                 "holding the frozen base")
+        else:
             _set(out, "resources.update.strategy", "fsdp2")
     for part in ("enable", "len", "penalty_factor"):
         if f"reward_model.overlong_buffer.{part}" in values:

@@ -42,9 +42,10 @@ def store_fails_once(plan_dir: Path, experiment: str, phase: str, epoch: int, ba
     return flag.with_suffix(".failed")
 
 
-def kill_update_worker(plan_dir: Path, experiment: str, epoch: int, rank: int) -> Path:
-    """SIGKILL update worker ``rank`` mid-step in the unit's next attempt; returns the ``.killed`` file it leaves."""
-    flag = Path(plan_dir) / f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}"
+def kill_update_worker(plan_dir: Path, experiment: str, epoch: int, rank: int, phase: str = "update") -> Path:
+    """SIGKILL worker ``rank`` of the ``phase`` group (``update`` or ``critic``) mid-step in the unit's next
+    attempt; returns the ``.killed`` file it leaves."""
+    flag = Path(plan_dir) / f"{unit_name(experiment, phase, epoch)}.kill-rank{rank}"
     flag.write_text("kill\n")
     return flag.with_suffix(".killed")
 

@@ -115,9 +115,18 @@ def hold_at_start(*, experiment: str, phase: str, epoch: int, batch: int | None 
 
 def kill_update_worker(*, experiment: str, epoch: int, rank: int, **_: Any) -> None:
     """``update_worker_step`` hook: SIGKILL this worker if the plan names its rank (once)."""
+    _kill_rank(experiment, "update", epoch, rank)
+
+
+def kill_critic_worker(*, experiment: str, epoch: int, rank: int = 0, **_: Any) -> None:
+    """``critic_step`` hook: SIGKILL this critic worker if the plan names its rank (once)."""
+    _kill_rank(experiment, "critic", epoch, rank)
+
+
+def _kill_rank(experiment: str, phase: str, epoch: int, rank: int) -> None:
     import signal
 
-    if _consume(f"{unit_name(experiment, 'update', epoch)}.kill-rank{rank}", ".killed"):
+    if _consume(f"{unit_name(experiment, phase, epoch)}.kill-rank{rank}", ".killed"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -144,4 +153,5 @@ def install() -> None:
     hooks.register("before_commit", store_write_fails)
     hooks.register("rollout_generate", hold)
     hooks.register("update_worker_step", kill_update_worker)
+    hooks.register("critic_step", kill_critic_worker)
     hooks.register("update_worker_step", record_update_node)

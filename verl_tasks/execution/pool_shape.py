@@ -63,8 +63,8 @@ class PoolShape:
 
     @classmethod
     def for_phase(cls, config: ExperimentConfig, phase: str, cluster_gpus: float | None = None) -> PoolShape:
-        """The pool of ``phase``; a distributed update is one driver actor that holds no GPUs, memory or
-        custom resources: its resident workers reserve those, so the driver never holds what they wait for.
+        """The pool of ``phase``; a distributed update (or critic) is one driver actor that holds no GPUs, memory
+        or custom resources: its resident workers reserve those, so the driver never holds what they wait for.
         A vLLM engine sharded over ``tensor_parallel_size`` GPUs (rollout's, evaluate's) gets them as a
         placement group. Phases that share GPUs (``gpu_sharing_phases``, given the cluster's GPU count)
         go to one ``gpu`` pool."""
@@ -72,7 +72,7 @@ class PoolShape:
         sharing = gpu_sharing_phases(config, cluster_gpus)
         if phase in sharing:
             return cls.shared_gpu(config, sharing, cluster_gpus)
-        if phase == "update" and res.distributed:
+        if drives_a_group(config, phase):
             return cls(config.experiment, pool_kind(phase), res.num_cpus, 0, None, (), 1, res.idle_release_s,
                        store=store_identity(config))
         # A sharded vLLM engine (rollout's, and evaluate's and top_up's, which build the same engine) holds its
@@ -158,16 +158,16 @@ class PoolShape:
 def gpu_sharing_phases(config: ExperimentConfig, cluster_gpus: float | None) -> tuple[str, ...]:
     """The phases that go to one shared ``gpu`` pool (``placement.gpu_phases``); empty when none do.
 
-    Candidates: rollout, top_up (it rolls out too), the critic, evaluate and a one-process update that ask for
-    GPUs; a trainer puts a vLLM engine of its actor to sleep while it trains (a distributed update keeps
-    its own workers, and so does a sharded engine, ``tensor_parallel_size`` > 1). ``auto`` shares them
+    Candidates: rollout, top_up (it rolls out too), and a one-process critic, evaluate and update that ask for
+    GPUs; a trainer puts a vLLM engine of its actor to sleep while it trains (a distributed update or critic
+    keeps its own workers, and so does a sharded engine, ``tensor_parallel_size`` > 1). ``auto`` shares them
     when ``cluster_gpus`` (None: unknown, no sharing) is less than what their separate pools hold together.
     """
     from verl_tasks.phase_registry import phases_for
 
     runs = phases_for(config)  # top_up and the critic only where the experiment has them
     asking = tuple(phase for phase in GPU_PHASES if phase in runs and config.phase_resources(phase).num_gpus > 0
-                   and not (phase == "update" and config.phase_resources(phase).distributed))
+                   and not drives_a_group(config, phase))
     mode = config.placement.gpu_phases
     if len(asking) < 2 or mode == "separate" or config.rollout.tensor_parallel_size > 1:
         return ()  # a sharded engine's actor holds its GPUs as a placement group, none for a trainer
@@ -184,13 +184,21 @@ def experiment_shapes(config: ExperimentConfig) -> set[PoolShape]:
     return {PoolShape.for_phase(config, phase) for phase in phases_for(config)}
 
 
+def drives_a_group(config: ExperimentConfig, phase: str) -> bool:
+    """The phase's unit drives a resident worker group (``verl_tasks.train``): a distributed update, or a critic
+    on more than one worker."""
+    from verl_tasks.phase_registry import phases_for
+
+    return phase in ("update", "critic") and phase in phases_for(config) and config.phase_resources(phase).distributed
+
+
 def cpus_for(config: ExperimentConfig) -> float:
     """Logical CPUs every pool of the experiment holds when all are resident at once
-    (a distributed update: its driver actor plus its resident workers, each with the update's CPUs)."""
+    (a distributed update or critic: its driver actor plus its resident workers, each with the phase's CPUs)."""
     total = sum(shape.num_cpus * shape.workers for shape in experiment_shapes(config))
-    update = config.phase_resources("update")
-    return total + (update.num_cpus * update.workers if update.distributed else 0)
+    return total + sum(config.phase_resources(phase).num_cpus * config.phase_resources(phase).workers
+                       for phase in ("update", "critic") if drives_a_group(config, phase))
 
 
 __all__ = ["CPU_KIND", "GATE_KIND", "GPU_KIND", "LIGHT", "NAMESPACE", "PREFIX", "PoolShape", "code_fingerprint",
-           "cpus_for", "experiment_shapes", "gpu_sharing_phases", "pool_kind"]
+           "cpus_for", "drives_a_group", "experiment_shapes", "gpu_sharing_phases", "pool_kind"]

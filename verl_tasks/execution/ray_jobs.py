@@ -39,6 +39,7 @@ from typing import Any
 from verl_tasks.config import ExperimentConfig
 from verl_tasks.errors import ConfigError, VerlTasksError
 from verl_tasks.execution import UnitSpec, store_identity
+from verl_tasks.execution.pool_shape import drives_a_group
 from verl_tasks.secrets import is_secret_name
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,19 @@ RETRY_ENV = "VERL_TASKS_RAY_RETRY_S"
 DEFAULT_RETRY_S = 120.0
 _HTTP_STATUS = re.compile(r"status code (\d{3})")
 
+
+def entrypoint_resources(config: ExperimentConfig, phase: str, pool: bool) -> dict[str, Any]:
+    """What a unit's job entrypoint reserves. With pools the phase's actor holds the resources and the driver
+    only waits for it: nothing. Without, the phase's; but a phase that drives a resident group (a distributed
+    update or critic) keeps only its CPUs: its workers reserve the GPUs and memory, and a driver holding them
+    would keep its own workers from being placed on a cluster sized for them."""
+    if pool:
+        return {"entrypoint_num_cpus": 0, "entrypoint_num_gpus": 0, "entrypoint_memory": None}
+    res = config.phase_resources(phase)
+    if drives_a_group(config, phase):
+        return {"entrypoint_num_cpus": res.num_cpus, "entrypoint_num_gpus": 0, "entrypoint_memory": None}
+    return {"entrypoint_num_cpus": res.num_cpus, "entrypoint_num_gpus": res.num_gpus,
+            "entrypoint_memory": int(res.memory_mb * 1024 * 1024) if res.memory_mb else None}
 
 class RayUnavailable(VerlTasksError):
     """No Ray address is configured, or the cluster refused or did not answer."""
@@ -352,9 +366,9 @@ class RayJobBackend:
             return newest
         number = (newest.attempt + 1) if newest else 1
         job_id = submission_id(spec, number)
-        resources = config.phase_resources(spec.phase)
+        reserved = entrypoint_resources(config, spec.phase, self.pool)
         runtime_env: dict[str, Any] = {"env_vars": public_env({**self.env, **(env or {})})}
-        if not self.pool and not resources.num_gpus:
+        if not self.pool and not reserved["entrypoint_num_gpus"]:
             # A job that reserved no GPU must not see one: Ray leaves a job's entrypoint every GPU of
             # its node unless it reserved some, and model.device auto would take one another unit holds.
             runtime_env["env_vars"]["CUDA_VISIBLE_DEVICES"] = ""
@@ -364,11 +378,7 @@ class RayJobBackend:
                 entrypoint=self.entrypoint(config, spec),
                 runtime_env=runtime_env,
                 metadata={UNIT_META: spec.label, "experiment": spec.experiment, STORE_META: store_identity(config)},
-                # With pools the phase's actor holds its resources; the driver only waits for it.
-                entrypoint_num_cpus=0 if self.pool else resources.num_cpus,
-                entrypoint_num_gpus=0 if self.pool else resources.num_gpus,
-                entrypoint_memory=(int(resources.memory_mb * 1024 * 1024) if resources.memory_mb and not self.pool
-                                   else None),
+                **reserved,
             )
         except RuntimeError as err:
             if DUPLICATE_ID in str(err):  # another retry of this unit won the same attempt id: attach
@@ -471,5 +481,5 @@ def log_tail(text: str, lines: int = 40) -> str:
     return "\n".join(redact_config(line) for line in (text or "").splitlines()[-lines:])
 
 
-__all__ = ["RayJobBackend", "RayTarget", "JobHandle", "RayUnavailable", "submission_id", "read_token", "log_tail",
-           "redact_config"]
+__all__ = ["RayJobBackend", "RayTarget", "JobHandle", "RayUnavailable", "entrypoint_resources", "submission_id",
+           "read_token", "log_tail", "redact_config"]

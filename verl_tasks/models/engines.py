@@ -42,11 +42,14 @@ class Generation:
 @dataclass(frozen=True)
 class Policy:
     """What an engine samples from: the verified snapshot folder on local disk and its tokenizer;
-    ``model`` is the loaded module for the HF engine, None where vLLM serves (it loads the folder)."""
+    ``model`` is the loaded module for the HF engine, None where vLLM serves (it loads the folder).
+    ``adapter``: a LoRA snapshot's verified adapter folder, which vLLM applies to the base weights in
+    ``folder`` with its own LoRA kernels (the HF engine's model has it merged in already)."""
 
     tokenizer: Any
     folder: Path
     model: torch.nn.Module | None = None
+    adapter: Path | None = None
 
     @property
     def device(self) -> str:
@@ -59,7 +62,8 @@ class EngineOptions:
     """The engine settings of an experiment (``rollout.*``, ``model.dtype``, ``data``): the one set
     every caller builds an engine from (rollout, evaluation, the GPU check). Only vLLM reads them.
 
-    ``enforce_eager`` None: eager on the CPU (no graphs to capture), CUDA graphs on a GPU.
+    ``enforce_eager`` None: eager on the CPU (no graphs to capture), CUDA graphs on a GPU. ``lora_rank``: the
+    rank of the experiment's LoRA adapters (``model.lora``), which a vLLM engine is then built to apply.
     """
 
     gpu_memory_utilization: float = 0.5
@@ -68,6 +72,7 @@ class EngineOptions:
     enforce_eager: bool | None = None
     max_model_len: int | None = None
     batch_invariant: bool = False
+    lora_rank: int | None = None
 
 
 def engine_options(config: Any) -> EngineOptions:
@@ -75,7 +80,16 @@ def engine_options(config: Any) -> EngineOptions:
     rollout = config.rollout
     return EngineOptions(rollout.gpu_memory_utilization, config.model.dtype, rollout.tensor_parallel_size,
                          rollout.enforce_eager, config.data.max_prompt_tokens + rollout.max_new_tokens,
-                         rollout.batch_invariant)
+                         rollout.batch_invariant, config.model.lora.rank if vllm_applies_adapters(config) else None)
+
+
+def vllm_applies_adapters(config: Any) -> bool:
+    """Whether this worker's vLLM engine applies a LoRA experiment's adapters itself (``rollout.vllm_lora``; auto:
+    where it runs on a GPU) rather than loading each version merged into the base."""
+    if config.model.lora is None or config.rollout.engine != "vllm":
+        return False
+    mode = config.rollout.vllm_lora
+    return mode == "adapter" or (mode == "auto" and torch.cuda.is_available())
 
 
 Engine = Callable[..., list[Generation]]
@@ -170,14 +184,16 @@ def generate_hf(policy: Policy, prompts: list[list[int]], spec: SamplingSpec, op
 def generate_vllm(policy: Policy, prompts: list[list[int]], spec: SamplingSpec, options: EngineOptions | None = None,
                   on_engine: Callable[[str], None] | None = None) -> list[Generation]:
     """vLLM generation from the policy folder's inference files; sample ``j`` of prompt ``i`` is seeded
-    ``seed + i * n + j`` (:func:`verl_tasks.models.vllm_engine.request_seeds`)."""
+    ``seed + i * n + j`` (:func:`verl_tasks.models.vllm_engine.request_seeds`); a LoRA policy's adapter is
+    applied to the base by vLLM's LoRA kernels."""
     from verl_tasks.models import vllm_engine
 
     stop = stop_token_ids(policy.tokenizer, policy.folder)
-    completions = vllm_engine.generate(policy.folder, prompts, spec, options or EngineOptions(), stop, on_engine)
+    completions = vllm_engine.generate(policy.folder, prompts, spec, options or EngineOptions(), stop, on_engine,
+                                       adapter=policy.adapter)
     return [_generation(i, j, ids, policy.tokenizer, stop) for i, samples in enumerate(completions)
             for j, ids in enumerate(samples)]
 
 
 __all__ = ["SamplingSpec", "Generation", "Policy", "EngineOptions", "engine_options", "get_engine", "stop_token_ids",
-           "trim_at_stop"]
+           "trim_at_stop", "vllm_applies_adapters"]

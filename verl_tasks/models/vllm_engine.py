@@ -9,6 +9,11 @@ CPU kernels' packed weights that the reload leaves stale). After it the prefix c
 blocks hold KV computed by the old weights, and block hashes do not include the weights. An engine (its engine-core
 process and, on a GPU, its share of the device) is shut down and waited for before a
 new one is built, when the unit's deadline passes, and when the worker exits.
+
+A LoRA experiment's engine is built with vLLM's LoRA support and holds the base weights, which never
+change: each policy version is its adapter, loaded into the engine in place of the previous version's
+(a few MB, not a whole-weights reload) and named on every request, so no prefix-cache block is shared
+between versions (vLLM's block hashes include the adapter).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verl_tasks.config import VLLM_LORA_RANKS
 from verl_tasks.errors import ConfigError
 from verl_tasks.models import vllm_reload
 
@@ -63,6 +69,8 @@ class _Held:
     asleep: bool = False  # its GPU memory was given to another user of this process's GPU (``sleep``)
     builds: int = 0
     reloads: int = 0
+    lora_request: Any = None  # the LoRA request of the adapter the engine holds (its lora_path): the version served
+    adapter_loads: int = 0  # adapters loaded (or tried), also each request's id: vLLM keys an adapter by its id
 
 
 HELD = _Held()
@@ -144,7 +152,7 @@ def engine_for(folder: Path, options: Any, on_engine: Callable[[str], None] | No
     source = str(Path(folder).resolve())
     key = (_architecture(folder), options)
     if HELD.engine is not None and HELD.asleep:
-        HELD.engine.wake_up()  # its weights were discarded: the reload below loads the version asked for
+        HELD.engine.wake_up()  # level 2 discarded the weights (source None): the reload below loads the version
         HELD.asleep = False
         if on_engine:
             on_engine("woke")
@@ -166,8 +174,39 @@ def engine_for(folder: Path, options: Any, on_engine: Callable[[str], None] | No
     return HELD.engine
 
 
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank`` (config load refuses more)."""
+    return min(allowed for allowed in VLLM_LORA_RANKS if allowed >= rank)
+
+
+def adapter_request(llm: Any, adapter: Path, on_engine: Callable[[str], None] | None = None) -> Any:
+    """The LoRA request that applies ``adapter`` on the held engine: the one in use when it is that folder,
+    else the adapter is loaded now under a new id (the engine holds one adapter: vLLM evicts the previous)."""
+    from vllm.lora.request import LoRARequest
+
+    source = str(Path(adapter).resolve())
+    if HELD.lora_request is not None and HELD.lora_request.lora_path == source:
+        return HELD.lora_request
+    HELD.lora_request = None
+    HELD.adapter_loads += 1  # a new id even where this load fails half-way: an id is never offered twice
+    request = LoRARequest(f"policy-{HELD.adapter_loads}", HELD.adapter_loads, source)
+    try:
+        loaded = llm.llm_engine.add_lora(request)
+    except ValueError as err:  # vLLM's refusal of the adapter itself (a module or rank it does not take)
+        raise ConfigError(f"vLLM refused the LoRA adapter in {source} ({err}): adapt only layers vLLM's LoRA support "
+                          "covers (model.lora.target_modules: all-linear does), or set rollout.vllm_lora: merged"
+                          ) from err
+    if not loaded:
+        raise RuntimeError(f"vLLM did not load the LoRA adapter in {source}")
+    HELD.lora_request = request
+    if on_engine:
+        on_engine("adapter loaded")
+    return request
+
+
 def _reload(folder: Path) -> None:
     HELD.source = None  # an interrupted reload leaves weights of neither version: never reused as either
+    HELD.lora_request = None  # vLLM's weight reload drops the adapters it holds
     view = inference_view(folder)
     HELD.views.append(view)
     HELD.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(view)})
@@ -201,6 +240,9 @@ def _build(folder: Path, key: tuple, options: Any) -> None:
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if options.batch_invariant and on_gpu else "0"
     eager = (not on_gpu) if options.enforce_eager is None else options.enforce_eager
     sharded = options.tensor_parallel_size > 1  # its workers go into the pool actor's placement group
+    lora: dict[str, Any] = {}
+    if options.lora_rank is not None:
+        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(options.lora_rank)}
     view = inference_view(folder, at=build_view_path(key, engine_slot()))
     before = set(engine_processes())
     started = time.monotonic()
@@ -209,11 +251,12 @@ def _build(folder: Path, key: tuple, options: Any) -> None:
                      gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                      tensor_parallel_size=options.tensor_parallel_size,
                      distributed_executor_backend="ray" if sharded else None,
-                     worker_extension_cls=vllm_reload.EXTENSION)
+                     worker_extension_cls=vllm_reload.EXTENSION, **lora)
     except BaseException:
         shutil.rmtree(view, ignore_errors=True)
         raise
     HELD.engine, HELD.key, HELD.views, HELD.on_gpu, HELD.asleep = engine, key, [view], on_gpu, False
+    HELD.lora_request = None
     HELD.source = str(Path(folder).resolve())
     HELD.processes = sorted(set(engine_processes()) - before)
     HELD.builds += 1
@@ -224,14 +267,19 @@ def _build(folder: Path, key: tuple, options: Any) -> None:
 def sleep() -> str:
     """Give the held engine's GPU memory to another user of this process's GPU (the update trains next):
     vLLM's sleep level 2 frees the KV cache and discards the weights; the next :func:`engine_for` wakes it
-    and loads the version it is asked for. Returns what was done: ``slept``, ``cpu`` (an engine on the
-    CPU frees nothing this way) or ``none`` (no engine held)."""
+    and loads the version it is asked for. An engine applying LoRA adapters sleeps at level 1 instead: its
+    base weights, which every version shares, are kept in CPU memory and come back with the wake. Returns what
+    was done: ``slept``, ``cpu`` (an engine on the CPU frees nothing this way) or ``none`` (no engine held)."""
     if HELD.engine is None or HELD.asleep:
         return "none" if HELD.engine is None else "slept"
     if not HELD.on_gpu:
         return "cpu"
-    HELD.source = None  # its weights are gone: never reused as any version
-    HELD.engine.sleep(level=2)
+    HELD.lora_request = None  # loaded again after the wake, by the next request
+    if HELD.key is not None and HELD.key[1].lora_rank is not None:
+        HELD.engine.sleep(level=1)  # the base weights, the same for every version, wait in CPU memory
+    else:
+        HELD.source = None  # its weights are gone: never reused as any version
+        HELD.engine.sleep(level=2)
     HELD.asleep = True
     return "slept"
 
@@ -243,6 +291,7 @@ def shutdown() -> list[int]:
     if engine is None:
         return []
     HELD.engine, HELD.key, HELD.source, HELD.asleep = None, None, None, False
+    HELD.lora_request = None
     core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
     try:
         if core is not None:
@@ -281,17 +330,22 @@ def _remove_views(keep: int) -> None:
 
 
 def generate(folder: Path, prompts: list[list[int]], spec: Any, options: Any, stop: list[int],
-             on_engine: Callable[[str], None] | None = None) -> list[list[list[int]]]:
-    """Token ids of ``spec.n`` samples per prompt (untrimmed: vLLM stops at ``stop``)."""
+             on_engine: Callable[[str], None] | None = None, adapter: Path | None = None) -> list[list[list[int]]]:
+    """Token ids of ``spec.n`` samples per prompt (untrimmed: vLLM stops at ``stop``); with ``adapter``, from
+    the base weights in ``folder`` with that LoRA adapter applied."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if adapter is not None and options.lora_rank is None:
+        raise ValueError("a LoRA adapter needs an engine built for LoRA: EngineOptions.lora_rank")
     llm = engine_for(folder, options, on_engine)
+    lora = adapter_request(llm, adapter, on_engine) if adapter is not None else None
     params = [SamplingParams(n=spec.n, temperature=0.0 if spec.greedy else spec.temperature,
                              top_p=1.0 if spec.greedy else spec.top_p, max_tokens=spec.max_new_tokens, seed=seed,
                              stop_token_ids=stop, detokenize=False)
               for seed in request_seeds(spec.seed, len(prompts), spec.n)]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False,
+                           lora_request=lora)
     return [[list(completion.token_ids) for completion in output.outputs] for output in outputs]
 
 
@@ -301,5 +355,6 @@ def _at_exit() -> None:
     shutil.rmtree(_views_root(), ignore_errors=True)
 
 
-__all__ = ["build_view_path", "engine_slot", "inference_view", "is_inference_file", "request_seeds", "engine_for",
+__all__ = ["adapter_request", "vllm_max_lora_rank", "build_view_path", "engine_slot", "inference_view",
+           "is_inference_file", "request_seeds", "engine_for",
            "engine_processes", "shutdown", "sleep", "generate", "HELD"]

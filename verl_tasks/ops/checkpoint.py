@@ -135,9 +135,35 @@ def forward_check(folder: Path) -> list[str]:
     return []
 
 
+def critic_check(folder: Path) -> list[str]:
+    """A PPO snapshot's critic (its ``critic.*`` files in ``folder``): load it and value one short response;
+    problems found, empty if fine."""
+    import torch
+
+    from verl_tasks.models.checkpoint import WEIGHTS
+    from verl_tasks.models.critic import CONFIG, load_critic, stored_name
+
+    critic = Path(tempfile.mkdtemp(prefix="critic-", dir=folder.parent))
+    for name in (CONFIG, WEIGHTS):
+        (critic / name).symlink_to(folder / stored_name(name))
+    try:
+        model = load_critic(critic, "float32").eval()
+        with torch.no_grad():
+            values = model(input_ids=torch.tensor([[0, 1, 2, 3]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                           positions=torch.tensor([[1, 2]]), response_mask=torch.ones(1, 2))
+    except IntegrityError as err:
+        return list(err.problems)
+    except Exception as err:  # noqa: BLE001 - any load or forward failure is a verdict, not a crash
+        return [f"critic load failed: {type(err).__name__}: {err}"[:500]]
+    finally:
+        shutil.rmtree(critic, ignore_errors=True)
+    return [] if torch.isfinite(values).all() else ["the critic's forward pass produced non-finite values"]
+
+
 def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
     """Hash every file (each optimizer shard too) against the manifest, check the optimizer index covers
-    every parameter, then (``forward``) load the weights and run a forward pass."""
+    every parameter, then (``forward``) load the weights and run a forward pass, and a PPO snapshot's critic
+    and value a response with it."""
 
     try:
         record = read_marker(ref.store, ref.unit)
@@ -161,6 +187,8 @@ def verify(ref: SnapshotRef, forward: bool = True) -> Verdict:
                 problems = [str(err)]
             else:
                 problems = forward_check(folder)
+            if not problems and any(is_critic_file(name) for name in record.files):
+                problems = critic_check(Path(tmp) / "snapshot")
     return Verdict(ref.version, ref.unit, not problems, "OK" if not problems else "FAILED", problems, sha, size)
 
 

@@ -28,13 +28,14 @@ from verl_tasks.local_cache import CACHE_DIR
 from verl_tasks.models import handover
 from verl_tasks.models.checkpoint import WEIGHTS, refuse_pickles
 from verl_tasks.models.device import resolve_device
-from verl_tasks.models.engines import Policy
+from verl_tasks.models.engines import Policy, vllm_applies_adapters
 from verl_tasks.models.policy_cache import POLICIES, PolicyKey, WarmOptimizer
 from verl_tasks.ops.safe_mode import halted_message, read_safe_mode
 from verl_tasks.phases.fallback import fall_back
 from verl_tasks.pinning import check_pinned
 from verl_tasks.store import LocalStore, ObjectStore
 from verl_tasks.store.conventions import (
+    ADAPTER,
     check_adapter_base,
     check_not_pruned,
     is_adapter,
@@ -185,12 +186,15 @@ def policy_folder(ctx: PhaseContext, version: int, record: CommitRecord | None =
     try:
         return _policy_folder(ctx, version, record, weights, optimizer)
     except IntegrityError as err:
-        info = fall_back(ctx, version, err.problems)
-        raise PhaseFailed(
-            err.unit,
-            f"snapshot {version} failed verification ({'; '.join(err.problems)}); it was quarantined and "
-            f"latest.json points at snapshot {info['fell_back_to']}: rerun to recompute it",
-        ) from err
+        raise _quarantined(ctx, version, err) from err
+
+
+def _quarantined(ctx: PhaseContext, version: int, err: IntegrityError) -> PhaseFailed:
+    """Snapshot ``version`` failed verification: quarantine it (``phases.fallback``); the error to raise."""
+    info = fall_back(ctx, version, err.problems)
+    return PhaseFailed(err.unit, f"snapshot {version} failed verification ({'; '.join(err.problems)}); it was "
+                                 f"quarantined and latest.json points at snapshot {info['fell_back_to']}: rerun to "
+                                 "recompute it")
 
 
 # Policy folders a node keeps downloaded from a remote store (each keyed by its weights' sha256): the
@@ -237,31 +241,56 @@ def _policy_folder(ctx: PhaseContext, version: int, record: CommitRecord | None,
     return folder, record
 
 
+def _adapter_folder(ctx: PhaseContext, record: CommitRecord) -> tuple[Path, Path]:
+    """A LoRA snapshot on this node as vLLM applies it: the base snapshot's verified folder, and a folder of the
+    snapshot's adapter files, each verified, kept per adapter like a downloaded policy."""
+    base_folder, base = policy_folder(ctx, 0)  # a corrupt base is quarantined as the base, not as this version
+    check_adapter_base(ctx.store, record, base)
+    return base_folder, _cached_folder(f"adapter-{weights_sha256(record)}", ADAPTER,
+                                       lambda work: _download_adapter(ctx, record, work))
+
+
 def _merged_folder(ctx: PhaseContext, record: CommitRecord) -> Path:
-    """A LoRA snapshot as a full policy folder on this node: the base snapshot's weights (verified) with the
-    snapshot's adapter (verified) merged in, made once per adapter (keyed by its sha256) and kept like a
-    downloaded policy. What rollout and evaluation load, on either engine: no adapter code in their path."""
+    """A LoRA snapshot as a full policy folder on this node: the base snapshot's weights with the snapshot's
+    adapter merged in, made once per adapter and kept like a downloaded policy. What the HF engine, vLLM
+    (``rollout.vllm_lora: merged``) and the checks load: no adapter code in their path."""
     from verl_tasks.models.lora import merge_into
 
     base_folder, base = policy_folder(ctx, 0)  # a corrupt base is quarantined as the base, not as this version
     check_adapter_base(ctx.store, record, base)
-    folder = CACHE_DIR / "policies" / f"lora-{base.files[WEIGHTS].sha256[:16]}-{weights_sha256(record)}"
-    if (folder / WEIGHTS).is_file():
+
+    def merge(work: Path) -> None:
+        _download_adapter(ctx, record, work.with_name("adapter"))
+        merge_into(base_folder, work.with_name("adapter"), work, ctx.config.model.train_dtype)
+
+    return _cached_folder(f"lora-{base.files[WEIGHTS].sha256[:16]}-{weights_sha256(record)}", WEIGHTS, merge)
+
+
+def _download_adapter(ctx: PhaseContext, record: CommitRecord, into: Path) -> None:
+    into.mkdir()
+    for name in _needed(record, weights=True, optimizer=False):
+        download(ctx.store, record, name, into / name)
+        POLICY_BYTES["store"] += record.files[name].size
+
+
+def _cached_folder(name: str, marker: str, make: Callable[[Path], Any]) -> Path:
+    """This node's policy-cache folder ``name``, made by ``make`` (writing folder ``made`` in a private work
+    folder) unless it holds ``marker`` already: made aside, renamed in whole, so a folder present is complete;
+    one without its marker (a prune killed half-way) is replaced."""
+    folder = CACHE_DIR / "policies" / name
+    if (folder / marker).is_file():
         os.utime(folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
-        adapter = work / "adapter"
-        adapter.mkdir()
-        for name in _needed(record, weights=True, optimizer=False):
-            download(ctx.store, record, name, adapter / name)
-            POLICY_BYTES["store"] += record.files[name].size
-        merged = merge_into(base_folder, adapter, work / "merged", ctx.config.model.train_dtype)
+        make(work / "made")
         try:
-            merged.rename(folder)
-        except OSError:  # another process of this node made it first
-            pass
+            (work / "made").rename(folder)
+        except OSError:  # another process of this node made it first, or a partial folder is in the way
+            if not (folder / marker).is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                (work / "made").rename(folder)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _prune_policy_cache(folder)
@@ -269,8 +298,10 @@ def _merged_folder(ctx: PhaseContext, record: CommitRecord) -> Path:
 
 
 def _prune_policy_cache(using: Path) -> None:
-    """Keep the ``POLICY_CACHE_KEEP`` most recently used policy folders of this node (and ``using``)."""
-    folders = sorted((p for p in using.parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    """Keep the ``POLICY_CACHE_KEEP`` most recently used policy folders of this node (and ``using``); work folders
+    other processes are filling (``.tmp-*``) are theirs."""
+    folders = sorted((p for p in using.parent.iterdir() if p.is_dir() and not p.name.startswith(".tmp-")),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
     for stale in folders[POLICY_CACHE_KEEP:]:
         if stale != using:
             shutil.rmtree(stale, ignore_errors=True)
@@ -325,12 +356,20 @@ def sampling_policy(ctx: PhaseContext, version: int) -> Policy:
     """What the configured engine samples policy ``version`` from. vLLM loads the folder itself: no HF
     copy of the weights is loaded beside it (on a GPU it would hold memory the engine was promised). Its
     weights come from the update's in-memory handover when they are there under the committed checksum
-    (written into a local folder, verified as written), else from the store."""
+    (written into a local folder, verified as written), else from the store. A LoRA snapshot is the base
+    snapshot's folder and the snapshot's adapter where vLLM applies adapters itself (``rollout.vllm_lora``),
+    else its merged folder."""
     if ctx.config.rollout.engine == "hf":
         model, tokenizer, folder = load_version(ctx, version)
         return Policy(tokenizer, folder, model)
     check_not_pruned(ctx.store, ctx.layout, version)
     record = require(ctx, ctx.layout.snapshot(version), "snapshot" if version else "plan (base snapshot)")
+    if is_adapter(record) and vllm_applies_adapters(ctx.config):
+        try:
+            base_folder, adapter = _adapter_folder(ctx, record)
+        except IntegrityError as err:
+            raise _quarantined(ctx, version, err) from err
+        return Policy(_tokenizer(base_folder), base_folder, adapter=adapter)
     held = handover.local_folder(record)
     if held is None:
         tensors = handover.fetch(ctx.config, record)
@@ -340,6 +379,10 @@ def sampling_policy(ctx: PhaseContext, version: int) -> Policy:
             if held is not None:
                 POLICY_BYTES["memory"] += record.files[WEIGHTS].size
     folder = held if held is not None else policy_folder(ctx, version, record)[0]
+    return Policy(_tokenizer(folder), folder)
+
+
+def _tokenizer(folder: Path) -> Any:
     key = str(folder)
     if key not in _TOKENIZERS:
         from transformers import AutoTokenizer
@@ -347,7 +390,7 @@ def sampling_policy(ctx: PhaseContext, version: int) -> Policy:
         refuse_pickles(folder)
         _TOKENIZERS.clear()  # one version at a time is read: keep only the newest
         _TOKENIZERS[key] = AutoTokenizer.from_pretrained(folder)
-    return Policy(_TOKENIZERS[key], folder)
+    return _TOKENIZERS[key]
 
 
 def take_version(ctx: PhaseContext, version: int, *, keep: bool = False, record: CommitRecord | None = None

@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +85,11 @@ def initial_critic(ctx: PhaseContext, base_folder: Path, out: Path) -> list[Path
     return [out / name for name in CRITIC_FILES if (out / name).is_file()]
 
 
-def critic_at(ctx: PhaseContext, source: UpdateSource, work: Path) -> tuple[ValueModel, torch.optim.Optimizer]:
+def critic_at(ctx: PhaseContext, source: UpdateSource, work: Path, device: torch.device | None = None
+              ) -> tuple[ValueModel, torch.optim.Optimizer]:
     """Critic version ``source.policy_version`` (the snapshot's ``critic.*`` files) and its AdamW state (fresh
-    for version 0). A fork's base from a parent without a critic holds none: its critic is made here."""
+    for version 0), on ``device`` (default: ``model.device``). A fork's base from a parent without a critic
+    holds none: its critic is made here."""
     cfg, critic_cfg = ctx.config, ctx.config.critic
     assert critic_cfg is not None  # the phase exists only with a critic section
     record, autocast = source.start.record, autocast_dtype(cfg.model)
@@ -100,7 +103,7 @@ def critic_at(ctx: PhaseContext, source: UpdateSource, work: Path) -> tuple[Valu
         raise PhaseFailed(record.unit, f"snapshot {source.policy_version} holds no critic (critic.* files); it was "
                                        f"not written by a PPO run of this experiment")
     model = load_critic(work, cfg.model.train_dtype, autocast)
-    model.to(resolve_device(cfg.model.device))
+    model.to(device or resolve_device(cfg.model.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=critic_cfg.lr, betas=critic_cfg.betas,
                                   weight_decay=critic_cfg.weight_decay)
     if (work / OPTIMIZER_INDEX).is_file():
@@ -108,22 +111,35 @@ def critic_at(ctx: PhaseContext, source: UpdateSource, work: Path) -> tuple[Valu
     return model, optimizer
 
 
-def values_of(model: ValueModel, data: dict[str, torch.Tensor], size: int | None) -> torch.Tensor:
-    """``[B, R]`` values of every row, without gradients, ``size`` rows per forward (None: all at once)."""
+def values_of(model: torch.nn.Module, data: dict[str, torch.Tensor], size: int | None, rank: int = 0,
+              world: int = 1) -> torch.Tensor:
+    """``[share, R]`` values of worker ``rank``'s contiguous share of the rows (every row with one worker),
+    without gradients, ``size`` rows per forward (None: the whole share at once). Every worker runs the same
+    number of forwards (DDP syncs buffers in each): a worker without rows runs one and drops it."""
     model.eval()
-    rows = torch.arange(data["input_ids"].shape[0])
-    parts = [rows] if size is None else list(rows.split(size))
+    shares = torch.tensor_split(torch.arange(data["input_ids"].shape[0]), world)
+    count = 1 if size is None else max(1, -(-len(shares[0]) // size))  # shares[0] is the largest
+    parts = [shares[rank]] if size is None else list(shares[rank].split(size))
+    parts += [shares[rank][:0]] * (count - len(parts))
+    out = []
     with torch.no_grad():
-        return torch.cat([model(**{k: v[part] for k, v in data.items() if k in VALUE_KEYS}) for part in parts])
+        for part in parts:
+            run = part if len(part) else torch.arange(1)
+            out.append(model(**{k: v[run] for k, v in data.items() if k in VALUE_KEYS})[: len(part)])
+    return torch.cat(out)
 
 
-def train_critic(model: ValueModel, optimizer: torch.optim.Optimizer, data: dict[str, torch.Tensor],
-                 old_values: torch.Tensor, returns: torch.Tensor, ctx: PhaseContext, seed: int, epoch: int
-                 ) -> list[dict[str, float]]:
+def train_critic(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: dict[str, torch.Tensor],
+                 old_values: torch.Tensor, returns: torch.Tensor, ctx: PhaseContext, seed: int, epoch: int,
+                 rank: int = 0, world: int = 1) -> list[dict[str, float]]:
     """The critic's optimizer steps: per minibatch of the policy's (``algorithm.minibatch_size``,
     ``algorithm.ppo_epochs``, its own seeded order), the clipped value loss of its micro-batches
     (``resources.critic.micro_batch_size``) accumulated, the gradient clipped, AdamW. Returns each step's
-    metrics."""
+    metrics.
+
+    On ``world`` DDP workers each takes its share of every minibatch (``micro_batches``), its losses scaled by
+    ``world`` since DDP averages the gradients, which it all-reduces on the last micro-batch only; summed
+    over the workers the metrics are the one-process values (``critic/grad_norm`` counts on rank 0)."""
     cfg = ctx.config
     critic_cfg, algo = cfg.critic, cfg.algorithm
     assert critic_cfg is not None
@@ -133,26 +149,29 @@ def train_critic(model: ValueModel, optimizer: torch.optim.Optimizer, data: dict
     scale = float(cfg.rollout.max_new_tokens) if mode == "seq-mean-token-sum-norm" else None
     model.train()
     per_step: list[dict[str, float]] = []
+    no_sync = getattr(model, "no_sync", None)
     for rows in minibatch_rows(len(returns), algo, seed):
         optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
-        for part, loss_w, token_w in micro_batches(weights, rows, 0, 1, micro, mode):
+        parts = micro_batches(weights, rows, rank, world, micro, mode)
+        for index, (part, loss_w, token_w) in enumerate(parts):
             batch = select_rows(data, part)
-            predicted = model(**{k: batch[k] for k in VALUE_KEYS})
             mask = batch["response_mask"]
-            loss, clipfrac = value_loss(predicted, returns[part], old_values[part], mask,
-                                        critic_cfg.cliprange_value, mode, scale)
-            (loss * loss_w).backward()
+            with nullcontext() if index == len(parts) - 1 or no_sync is None else no_sync():
+                predicted = model(**{k: batch[k] for k in VALUE_KEYS})
+                loss, clipfrac = value_loss(predicted, returns[part], old_values[part], mask,
+                                            critic_cfg.cliprange_value, mode, scale)
+                (loss * (loss_w * world)).backward()
             for key, value, w in (("critic/vf_loss", loss.item(), loss_w), ("critic/vf_clipfrac", clipfrac, token_w),
                                   ("critic/vpred_mean", aggregate_loss(predicted.detach(), mask).item(), token_w)):
                 metrics[key] = metrics.get(key, 0.0) + value * w
-        ctx.hook("critic_step", epoch=epoch, step=len(per_step) + 1)
+        ctx.hook("critic_step", epoch=epoch, step=len(per_step) + 1, rank=rank)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), critic_cfg.grad_clip)
         if not torch.isfinite(norm):
             raise NonFiniteUpdate("critic", f"the critic's gradient norm at its step {len(per_step) + 1} is "
                                             f"{float(norm)}; nothing is committed. Check the scores and critic.lr")
         optimizer.step()
-        per_step.append({**metrics, "critic/grad_norm": float(norm)})
+        per_step.append({**metrics, "critic/grad_norm": float(norm) if rank == 0 else 0.0})
     return per_step
 
 
@@ -166,70 +185,118 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return 1.0 - float(error.var()) / float(target.var())
 
 
+def critic_advantages(ctx: PhaseContext, source: UpdateSource, data: dict[str, torch.Tensor],
+                      old_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (``algorithm.gamma``, ``algorithm.lam``) of the epoch's outcome scores under ``old_values``: the
+    whitened advantages and the returns, ``[B, R]`` each."""
+    algo, mask = ctx.config.algorithm, data["response_mask"]
+    return estimator("gae")(AdvantageInputs(
+        outcome_rewards(source.samples, mask.cpu()).to(mask.device), mask, [s["prompt_id"] for s in source.samples],
+        gamma=algo.gamma, lam=algo.lam, values=old_values))
+
+
+def write_critic_unit(writer: UnitWriter, model: ValueModel, optimizer: torch.optim.Optimizer, source: UpdateSource,
+                      tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write critic ``v + 1`` (its files under their ``critic.`` names) and the epoch's advantages, returns and
+    values, with the sample ids they belong to, into the attempt; returns the optimizer's hyperparameters."""
+    with writer.folder() as out:
+        hyper, written = save_critic(model, optimizer, out)
+        for name in CRITIC_FILES:  # the unit's names; the streamed files' checksums carry over
+            os.replace(out / name, out / stored_name(name))
+            if name in written:
+                writer.note_hashed(stored_name(name), written[name].size, written[name].sha256)
+        saved = write_tensors(out / ADVANTAGES, [(k, v.detach().float().cpu().contiguous())
+                                                 for k, v in tensors.items()])
+        writer.note_hashed(ADVANTAGES, saved.size, saved.sha256)
+        (out / ADVANTAGE_ROWS).write_text(json.dumps({"sample_ids": [s["sample_id"] for s in source.samples],
+                                                      "inputs": source.inputs}))
+    return hyper
+
+
+def critic_metrics(ctx: PhaseContext, per_step: list[dict[str, float]], old_values: torch.Tensor,
+                   returns: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    """The unit's ``critic/*`` row: each training metric's mean over the optimizer steps, and the values'."""
+    critic_cfg = ctx.config.critic
+    assert critic_cfg is not None
+    steps = len(per_step)
+    metrics: dict[str, Any] = {key: sum(step[key] for step in per_step) / steps for key in per_step[0]}
+    metrics.update({"critic/values_mean": aggregate_loss(old_values, mask).item(),
+                    "critic/returns_mean": aggregate_loss(returns, mask).item(),
+                    "critic/explained_variance": explained_variance(old_values, returns, mask),
+                    "critic/lr": critic_cfg.lr, "critic/optimizer_steps": steps})
+    return metrics
+
+
+def checked_finite(unit: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``check_finite`` of the critic, its error naming the critic's unit and update."""
+    try:
+        check_finite(model, optimizer)
+    except NonFiniteUpdate as err:
+        raise NonFiniteUpdate(unit, err.reason.replace("after the update", "after the critic's update")) from None
+
+
+def _critic_here(ctx: PhaseContext, source: UpdateSource, writer: UnitWriter, epoch: int
+                 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The critic's unit in this process; returns (metrics, optimizer hyperparameters, where and how long)."""
+    from verl_tasks.phases.update import release_gpu_memory
+
+    cfg = ctx.config
+    begun = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        model, optimizer = critic_at(ctx, source, Path(tmp))
+    device = next(model.parameters()).device
+    data = {k: v.to(device) for k, v in collate(source.samples, pad_id=0).items()}  # right padding: any id
+    old_values = values_of(model, data, cfg.phase_resources("critic").micro_batch_size)
+    advantages, returns = critic_advantages(ctx, source, data, old_values)
+    started = time.monotonic()
+    per_step = train_critic(model, optimizer, data, old_values, returns, ctx, derive_seed(cfg.seed, epoch, "critic"),
+                            epoch)
+    trained = time.monotonic()
+    model.eval()
+    checked_finite(writer.unit, model, optimizer)
+    hyper = write_critic_unit(writer, model, optimizer, source,
+                              {"advantages": advantages, "returns": returns, "values": old_values})
+    metrics = critic_metrics(ctx, per_step, old_values, returns, data["response_mask"])
+    ran = {"device": str(device), "load_s": round(started - begun, 3), "train_s": round(trained - started, 3),
+           "write_s": round(time.monotonic() - trained, 3)}
+    del model, optimizer
+    release_gpu_memory()
+    return metrics, hyper, ran
+
+
 def critic(ctx: PhaseContext, epoch: int) -> CommitRecord:
     """Value the epoch's samples with critic version ``v``, commit their GAE advantages and critic ``v + 1``.
 
+    Runs in this process, or with ``resources.critic.workers > 1`` on the critic's worker group
+    (``verl_tasks.train``: DDP workers, each holding the whole critic).
+
     Raises:
-        PhaseFailed: an input unit is missing, or the snapshot trained holds no critic.
+        PhaseFailed: an input unit is missing, the snapshot trained holds no critic, or a worker failed.
         NonFiniteUpdate: the critic's gradients or weights went non-finite; nothing is committed.
     """
     cfg = ctx.config
-    algo, critic_cfg = cfg.algorithm, cfg.critic
-    assert critic_cfg is not None  # the phase exists only with a critic section
+    assert cfg.critic is not None  # the phase exists only with a critic section
 
     def produce(writer: UnitWriter) -> dict[str, Any]:
-        from verl_tasks.phases.update import engine_to_sleep, release_gpu_memory
+        from verl_tasks.phases.update import engine_to_sleep
+        from verl_tasks.train.group import train_on_workers
 
         source = read_update_source(ctx, epoch, critic=False)
-        engine_to_sleep(ctx, epoch, to="critic")  # a vLLM engine sharing this GPU gives its memory up first
         writer.expect(*(stored_name(name) for name in CRITIC_FILES), ADVANTAGES, ADVANTAGE_ROWS)
-        begun = time.monotonic()
-        with tempfile.TemporaryDirectory() as tmp:
-            model, optimizer = critic_at(ctx, source, Path(tmp))
-        device = next(model.parameters()).device
-        data = {k: v.to(device) for k, v in collate(source.samples, pad_id=0).items()}  # right padding: any id
-        mask = data["response_mask"]
-        micro = cfg.phase_resources("critic").micro_batch_size
-        old_values = values_of(model, data, micro)
-        advantages, returns = estimator("gae")(AdvantageInputs(
-            outcome_rewards(source.samples, mask.cpu()).to(device), mask, [s["prompt_id"] for s in source.samples],
-            gamma=algo.gamma, lam=algo.lam, values=old_values))
-        started = time.monotonic()
-        per_step = train_critic(model, optimizer, data, old_values, returns, ctx,
-                                derive_seed(cfg.seed, epoch, "critic"), epoch)
-        trained = time.monotonic()
-        model.eval()
-        try:
-            check_finite(model, optimizer)
-        except NonFiniteUpdate as err:
-            raise NonFiniteUpdate(writer.unit, err.reason.replace("after the update", "after the critic's update")
-                                  ) from None
-        with writer.folder() as out:
-            hyper, written = save_critic(model, optimizer, out)
-            for name in CRITIC_FILES:  # the unit's names; the streamed files' checksums carry over
-                os.replace(out / name, out / stored_name(name))
-                if name in written:
-                    writer.note_hashed(stored_name(name), written[name].size, written[name].sha256)
-            tensors = {"advantages": advantages, "returns": returns, "values": old_values}
-            saved = write_tensors(out / ADVANTAGES, [(k, v.detach().float().cpu().contiguous())
-                                                     for k, v in tensors.items()])
-            writer.note_hashed(ADVANTAGES, saved.size, saved.sha256)
-            (out / ADVANTAGE_ROWS).write_text(json.dumps({"sample_ids": [s["sample_id"] for s in source.samples],
-                                                          "inputs": source.inputs}))
-        steps = len(per_step)
-        metrics = {key: sum(step[key] for step in per_step) / steps for key in per_step[0]}
-        metrics.update({"critic/values_mean": aggregate_loss(old_values, mask).item(),
-                        "critic/returns_mean": aggregate_loss(returns, mask).item(),
-                        "critic/explained_variance": explained_variance(old_values, returns, mask),
-                        "critic/lr": critic_cfg.lr, "critic/optimizer_steps": steps})
+        if cfg.phase_resources("critic").distributed:
+            result = train_on_workers(ctx, source, writer, phase="critic")
+            metrics, hyper, ran = result["metrics"], result["optimizer"], result["ran"]
+            for step in range(1, result["steps"] + 1):  # the hook points this process has, as in one process
+                ctx.hook("critic_step", epoch=epoch, step=step)
+        else:
+            engine_to_sleep(ctx, epoch, to="critic")  # a vLLM engine sharing this GPU gives its memory up first
+            metrics, hyper, ran = _critic_here(ctx, source, writer, epoch)
         writer.write_json("metrics.json", metrics)
-        ran = {"device": str(device), "load_s": round(started - begun, 3), "train_s": round(trained - started, 3),
-               "write_s": round(time.monotonic() - trained, 3)}
-        del model, optimizer
-        release_gpu_memory()
-        return {"metrics": metrics, "critic_version": source.policy_version + 1, "optimizer": hyper, "ran": ran}
+        return {"metrics": metrics, "critic_version": source.policy_version + 1, "optimizer": hyper, "ran": ran,
+                "critic_workers": cfg.phase_resources("critic").workers}
 
     return run_unit(ctx, "critic", ctx.layout.critic(epoch), epoch, produce)
 
 
-__all__ = ["critic", "critic_at", "explained_variance", "train_critic", "values_of"]
+__all__ = ["checked_finite", "critic", "critic_advantages", "critic_at", "critic_metrics", "explained_variance",
+           "train_critic", "values_of", "write_critic_unit"]

@@ -133,38 +133,16 @@ def _train_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: Unit
 
 def _train_lora_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer: UnitWriter
                      ) -> tuple[list[dict[str, float]], dict[str, Any], dict[str, Any]]:
-    """``model.lora``: train the adapter of policy version ``source.policy_version`` on the base snapshot's
-    weights (frozen); write the adapter and its AdamW state only. The KL reference is the same model with the
-    adapter off: no second copy of the base. Returns (metric sums per step, hyperparameters, where and how
-    long it trained and wrote)."""
-    import tempfile
-
-    from verl_tasks.models.checkpoint import load_policy, save_optimizer
+    """``model.lora`` in this process: train the adapter of policy version ``source.policy_version`` on the
+    base snapshot's weights (frozen); write the adapter and its AdamW state only. The KL reference is the same
+    model with the adapter off: no second copy of the base. Returns (metric sums per step, hyperparameters,
+    where and how long it trained and wrote)."""
     from verl_tasks.models.device import resolve_device
-    from verl_tasks.models.lora import save_adapter, with_adapter
-    from verl_tasks.phases.common import derive_seed, policy_folder
-    from verl_tasks.store.conventions import ADAPTER, ADAPTER_CONFIG, check_adapter_base, is_adapter
-    from verl_tasks.store.units import download
+    from verl_tasks.phases.update_lora import lora_policy, seeded_dropout, write_lora
 
     cfg, algo = ctx.config, ctx.config.algorithm
-    assert cfg.model.lora is not None
     begun = time.monotonic()
-    base_folder, base_record = policy_folder(ctx, 0)
-    base, tokenizer = load_policy(base_folder, cfg.model.train_dtype)
-    base.to(resolve_device(cfg.model.device))
-    start = source.start.record
-    with tempfile.TemporaryDirectory() as tmp:
-        adapter = None
-        if is_adapter(start):
-            check_adapter_base(ctx.store, start, base_record)
-            adapter = Path(tmp)
-            for name in sorted(n for n in start.files if n in (ADAPTER, ADAPTER_CONFIG, OPTIMIZER, OPTIMIZER_INDEX)):
-                download(ctx.store, start, name, adapter / name)
-        model = with_adapter(base, cfg.model.lora, derive_seed(cfg.seed, 0, "lora_init"), adapter)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=algo.lr,
-                                      betas=algo.betas, weight_decay=algo.weight_decay)
-        if adapter is not None:
-            load_optimizer(optimizer, model, adapter)
+    model, optimizer, tokenizer, base_sha256 = lora_policy(ctx, source.start, resolve_device(cfg.model.device))
     policy = policy_module(model, cfg.model)
     micro = cfg.phase_resources("update").micro_batch_size
     device = next(model.parameters()).device
@@ -176,23 +154,20 @@ def _train_lora_here(ctx: PhaseContext, source: UpdateSource, out: Path, writer:
             inputs.ref_logp = frozen_logprobs(policy, inputs, cfg.rollout.temperature, micro)
     on_step = lambda step: ctx.hook("update_step", epoch=source.epoch, step=step)  # noqa: E731
     started = time.monotonic()
-    # LoRA's dropout draws from the global generators: seeded by the epoch, so a retry draws the same masks.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(source.update_seed)
+    with seeded_dropout(device, source.update_seed):
         per_step = train_steps(policy, optimizer, inputs, algo, cfg.rollout.temperature, source.update_seed,
                                on_step, source.first_step, micro_batch_size=micro)
     trained_at = time.monotonic()
     model.eval()
     check_finite(model, optimizer)
-    written = save_adapter(model, tokenizer, out, base_record.files[WEIGHTS].sha256)
-    hyper, state = save_optimizer(optimizer, model, out)
-    for name, entry in {**written, **state}.items():
+    hyper, written = write_lora(model, tokenizer, optimizer, out, base_sha256)
+    for name, entry in written.items():
         writer.note_hashed(name, entry.size, entry.sha256)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ran: dict[str, Any] = {"device": str(device), "load_s": round(started - begun, 3),
                            "train_s": round(trained_at - started, 3),
                            "write_s": round(time.monotonic() - trained_at, 3),
-                           "write_bytes": sum(entry.size for entry in {**written, **state}.values()),
+                           "write_bytes": sum(entry.size for entry in written.values()),
                            "trainable_parameters": trainable}
     return per_step, hyper, ran
 
@@ -215,7 +190,7 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         source = read_update_source(ctx, epoch)
         res = cfg.phase_resources("update")
         writer.expect(*_update_files(res, lora=cfg.model.lora is not None))
-        if cfg.model.lora is not None:
+        if cfg.model.lora is not None and not res.distributed:
             engine_to_sleep(ctx, epoch)
             with writer.folder() as out:
                 try:
@@ -247,7 +222,8 @@ def update(ctx: PhaseContext, epoch: int) -> CommitRecord:
         writer.write_json(TRAINER_STATE, {"step": first_step + steps, "optimizer": hyper,
                                           "lr_schedule": {**schedule_of(algo), "first_step": first_step, "lrs": lrs}})
         # Not pinned (a run may resume on another worker count or strategy); results agree within float
-        # tolerance across them and are byte-identical for one count and strategy, so both are recorded.
+        # tolerance across them (LoRA with dropout: not across counts, each worker draws its own masks) and
+        # are byte-identical for one count and strategy, so both are recorded.
         # ``ran``: the device (rank 0's) and the seconds spent training and writing weights and optimizer state.
         return {"metrics": metrics, "policy_version": source.policy_version + 1, "update_workers": res.workers,
                 "update_strategy": res.strategy.value, "ran": ran}

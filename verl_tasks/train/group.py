@@ -8,6 +8,10 @@ They form a torch process group once (gloo on CPU, ``cpu:gloo,cuda:nccl`` on GPU
 serve unit after unit, keeping the trained policy between them (see the worker's docstring for
 when a resident policy is used and when the store is read).
 
+PPO's critic, with ``resources.critic.workers > 1``, gets a group of its own the same way (keyed by
+``resources.critic``; a process holds at most one group per phase). Its workers read the critic from
+the store for each unit: only the policy is kept resident.
+
 Why actors with a process group of our own rather than Ray Train: a ``TorchTrainer.fit`` is one
 run. Kept alive across units it would have to serve a queue from inside its training function,
 and then one unit could not be stopped without ending the fit, nor could a fit that died be told
@@ -25,7 +29,7 @@ dies, Ray kills them):
 * dismissed (every actor killed, its resources freed) when a unit fails in any way (a rank raised
   or died, the unit's deadline passed, the driver was interrupted): a worker that dies fails the
   attempt, never a silent retry inside it, and the next attempt forms a fresh group; and when it
-  has served no unit for ``resources.update.idle_release_s``.
+  has served no unit for its phase's ``idle_release_s``.
 
 Stopping a unit: the pools kill the driver actor (its children die with it); inline, the deadline's
 exception passes through :func:`train_on_workers`, which dismisses the group first.
@@ -63,6 +67,7 @@ class WorkerGroup:
     """The actors of one formed group, in rank order, and what they were formed for."""
 
     key: tuple
+    phase: str
     name: str
     actors: list[Any]
     ranks: list[dict[str, Any]]
@@ -70,18 +75,18 @@ class WorkerGroup:
     last_used: float = field(default_factory=time.monotonic)
 
 
-_HELD: list[WorkerGroup] = []  # the group this process drives (at most one)
+_HELD: list[WorkerGroup] = []  # the groups this process drives (at most one per phase)
 _LOCK = threading.RLock()
 _REAPER: list[threading.Thread] = []
 
 
-def group_key(config: ExperimentConfig) -> tuple:
+def group_key(config: ExperimentConfig, phase: str = "update") -> tuple:
     """What a group is formed for: a unit of another experiment, store, shape or code gets a new group."""
     from verl_tasks.execution import store_identity
     from verl_tasks.execution.pool_shape import code_fingerprint
 
-    res = config.phase_resources("update")
-    return (config.experiment, store_identity(config), res.workers, res.strategy.value, res.num_cpus,
+    res = config.phase_resources(phase)
+    return (phase, config.experiment, store_identity(config), res.workers, res.strategy.value, res.num_cpus,
             res.num_gpus, res.memory_mb, tuple(sorted(res.custom.items())), code_fingerprint())
 
 
@@ -95,26 +100,30 @@ def worker_resources(res: Resources) -> dict[str, Any]:
     return options
 
 
-def ensure_ray(res: Resources) -> None:
+def ensure_ray(config: ExperimentConfig) -> None:
     """Connect to nothing new when this process is already in a Ray cluster (a pool actor, a driver);
-    otherwise (inline: tests, ``verl-tasks run``) start a private local Ray that lives as long as the process."""
+    otherwise (inline: tests, ``verl-tasks run``) start a private local Ray that lives as long as the process,
+    with CPUs for every group the experiment's phases drive held at once (the critic's and the update's)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep a local Ray on loopback (read at import)
     import ray
 
     if ray.is_initialized():
         return
     from verl_tasks.execution.local_head import LOGICAL_CPUS
+    from verl_tasks.execution.pool_shape import drives_a_group
 
     # Logical CPUs are a placement count: enough for a later epoch's larger worker count too.
-    cpus = max(os.cpu_count() or 1, LOGICAL_CPUS, math.ceil(res.workers * res.num_cpus))
+    every = [config.phase_resources(phase) for phase in ("critic", "update") if drives_a_group(config, phase)]
+    workers = sum(res.workers for res in every)
+    cpus = max(os.cpu_count() or 1, LOGICAL_CPUS, math.ceil(sum(res.workers * res.num_cpus for res in every)))
     # The workers import the code this process runs (a checkout may shadow the installed package).
     root = str(Path(verl_tasks.__file__).resolve().parents[1])
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    log.info("no Ray cluster connected: started a local Ray (%d logical CPUs) for the update's %d workers; "
-             "it stops when this process exits", cpus, res.workers)
+    log.info("no Ray cluster connected: started a local Ray (%d logical CPUs) for %d resident workers; "
+             "it stops when this process exits", cpus, workers)
 
 
 def wait_all(refs: list[Any]) -> list[Any]:
@@ -138,20 +147,20 @@ def wait_all(refs: list[Any]) -> list[Any]:
     return [values[ref] for ref in refs]
 
 
-def form(config: ExperimentConfig) -> WorkerGroup:
-    """Start ``resources.update.workers`` actors and form their process group; returns the group."""
+def form(config: ExperimentConfig, phase: str = "update") -> WorkerGroup:
+    """Start ``resources.<phase>.workers`` actors and form their process group; returns the group."""
     import ray
 
     from verl_tasks.train.worker import UpdateWorker
 
-    res = config.phase_resources("update")
-    ensure_ray(res)
-    name = f"{config.experiment}-update-{uuid.uuid4().hex[:8]}"
+    res = config.phase_resources(phase)
+    ensure_ray(config)
+    name = f"{config.experiment}-{phase}-{uuid.uuid4().hex[:8]}"
     # Ray's overloads of ``remote`` list the task options only, not the actor's ``concurrency_groups``.
     actor_class: Any = ray.remote(concurrency_groups={"work": 1, "control": 1})(UpdateWorker)  # type: ignore[call-overload]
     options = {**worker_resources(res), "max_restarts": 0}
     actors = [actor_class.options(**options).remote(rank, res.workers, name) for rank in range(res.workers)]
-    group = WorkerGroup(group_key(config), name, actors, [], res.idle_release_s)
+    group = WorkerGroup(group_key(config, phase), phase, name, actors, [], res.idle_release_s)
     started = time.monotonic()
     try:
         address = wait_all([actors[0].rendezvous.remote()])[0]
@@ -160,24 +169,29 @@ def form(config: ExperimentConfig) -> WorkerGroup:
         dismiss(group, "it could not be formed")
         raise
     where = sorted({r["node"][:8] for r in group.ranks})
-    log.info("update worker group %s formed in %.1f s: %d workers (%s, %s) on node(s) %s", name,
+    log.info("%s worker group %s formed in %.1f s: %d workers (%s, %s) on node(s) %s", phase, name,
              time.monotonic() - started, res.workers, res.strategy.value, group.ranks[0]["backend"], where)
     return group
 
 
 def dismiss(group: WorkerGroup, reason: str) -> None:
     """Kill every actor of ``group`` (their resources and resident state go with them)."""
-    import ray
-
     with _LOCK:
         if group in _HELD:
             _HELD.remove(group)
+    _kill(group, reason)
+
+
+def _kill(group: WorkerGroup, reason: str) -> None:
+    """Kill the actors of a group no longer held."""
+    import ray
+
     for actor in group.actors:
         try:
             ray.kill(actor, no_restart=True)
         except (ValueError, ray.exceptions.RayError):  # gone already
             continue
-    log.info("update worker group %s dismissed: %s", group.name, reason)
+    log.info("%s worker group %s dismissed: %s", group.phase, group.name, reason)
 
 
 def release() -> None:
@@ -195,25 +209,29 @@ def _alive(group: WorkerGroup) -> bool:
     try:
         answers = ray.get([a.describe.remote() for a in group.actors], timeout=DESCRIBE_S)
     except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-        log.warning("update worker group %s is not whole (%s)", group.name, type(err).__name__)
+        log.warning("%s worker group %s is not whole (%s)", group.phase, group.name, type(err).__name__)
         return False
     return [a["group"] for a in answers] == [group.name] * len(group.actors)
 
 
-def acquire(config: ExperimentConfig) -> WorkerGroup:
-    """The group for ``config``'s update: the held one when it fits and is whole, else a new one."""
-    key = group_key(config)
+def acquire(config: ExperimentConfig, phase: str = "update") -> WorkerGroup:
+    """The group for ``config``'s ``phase``: the held one when it fits and is whole, else a new one. It is
+    returned marked busy; the caller sets ``last_used`` when its unit is done."""
+    key = group_key(config, phase)
     with _LOCK:
-        held = _HELD[0] if _HELD else None
+        held = next((g for g in _HELD if g.phase == phase), None)
+        if held is not None:
+            held.last_used = -1.0  # busy from here: the idle reaper leaves it alone while it is checked and used
     if held is not None:
         if held.key == key and _alive(held):
             return held
         dismiss(held, "another experiment, shape or code" if held.key != key else "a worker is gone")
-    group = form(config)
+    group = form(config, phase)
+    group.last_used = -1.0
     with _LOCK:
-        _HELD[:] = [group]
+        _HELD.append(group)
         if not _REAPER:
-            _REAPER.append(threading.Thread(target=_release_when_idle, name="verl-tasks-update-group", daemon=True))
+            _REAPER.append(threading.Thread(target=_release_when_idle, name="verl-tasks-worker-groups", daemon=True))
             _REAPER[0].start()
     return group
 
@@ -221,20 +239,24 @@ def acquire(config: ExperimentConfig) -> WorkerGroup:
 def _release_when_idle() -> None:
     while True:
         time.sleep(1.0)
-        with _LOCK:
-            held = _HELD[0] if _HELD else None
-            busy = held is not None and held.last_used < 0
-        if held is not None and not busy and time.monotonic() - held.last_used > held.idle_release_s:
-            dismiss(held, f"idle for {held.idle_release_s:g} s")
+        with _LOCK:  # taken out of _HELD under the lock: ``acquire`` can no longer hand them out
+            idle = [g for g in _HELD if g.last_used >= 0 and time.monotonic() - g.last_used > g.idle_release_s]
+            for group in idle:
+                _HELD.remove(group)
+        for group in idle:
+            _kill(group, f"idle for {group.idle_release_s:g} s")
 
 
-def train_on_workers(ctx: PhaseContext, source: UpdateSource, writer: UnitWriter) -> dict[str, Any]:
-    """Train ``source`` on the resident group; the workers write into ``writer``'s attempt.
+def train_on_workers(ctx: PhaseContext, source: UpdateSource, writer: UnitWriter, phase: str = "update"
+                     ) -> dict[str, Any]:
+    """Train ``source`` on ``phase``'s resident group (the policy's ``update``, or the ``critic``); the
+    workers write into ``writer``'s attempt.
 
     Returns:
-        ``per_step`` (metric sums per optimizer step), ``optimizer`` (hyperparameters), ``ran``
-        (device, where the policy came from, seconds), ``handover`` (the new weights in Ray's
-        object store, or None); the workers' files are added to ``writer.files``.
+        rank 0's answer: for the update ``per_step`` (metric sums per optimizer step), ``optimizer``
+        (hyperparameters), ``ran`` (device, where the policy came from, seconds), ``handover`` (the new
+        weights in Ray's object store, or None); for the critic what ``UpdateWorker.critic`` returns.
+        The workers' files are added to ``writer.files``.
 
     Raises:
         PhaseFailed: a worker raised or died; the attempt is left uncommitted and the group dismissed.
@@ -242,22 +264,22 @@ def train_on_workers(ctx: PhaseContext, source: UpdateSource, writer: UnitWriter
     import ray
 
     config = ctx.config
-    res = config.phase_resources("update")
-    group = acquire(config)
+    res = config.phase_resources(phase)
+    group = acquire(config, phase)
     job = {"config": config.model_dump(mode="json"), "unit": writer.unit, "attempt": writer.attempt,
            "source": source}
-    log.info("update of epoch %d on %d resident workers (%s, group %s)", source.epoch, res.workers,
+    log.info("%s of epoch %d on %d resident workers (%s, group %s)", phase, source.epoch, res.workers,
              res.strategy.value, group.name)
-    group.last_used = -1.0  # busy: never released while a unit runs
     try:
-        result = wait_all([actor.train.remote(job) for actor in group.actors])[0]
+        method = "critic" if phase == "critic" else "train"
+        result = wait_all([getattr(actor, method).remote(job) for actor in group.actors])[0]
     except BaseException as err:
         dismiss(group, f"its unit failed ({type(err).__name__})")
         cause = getattr(err, "cause", None)
         if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, PhaseFailed):
             raise type(cause)(writer.unit, cause.reason) from err  # typed as the worker raised it, for retries
         if isinstance(err, ray.exceptions.RayError):
-            message = f"update worker failed; attempt {writer.attempt} is not committed: {err}"
+            message = f"{phase} worker failed; attempt {writer.attempt} is not committed: {err}"
             raise PhaseFailed(writer.unit, message[:4000]) from err
         raise
     group.last_used = time.monotonic()

@@ -31,10 +31,17 @@ log = logging.getLogger(__name__)
 
 
 def replicated(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The model wrapped in DistributedDataParallel: gradients averaged over the workers by the framework."""
+    """The model wrapped in DistributedDataParallel: gradients averaged over the workers by the framework.
+
+    Parameters that do not train (a LoRA run's base) are left out of DDP: every worker loaded the same bytes, so
+    neither the start-up broadcast from rank 0 nor the gradient all-reduce has anything to carry for them.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     model.to(device)
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
+    if frozen:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
