@@ -17,6 +17,9 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing-secret-value")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # This machine reaches no model hub: a lookup fails at once instead of retrying (the package itself sets nothing).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite runs torch in many processes at once on two cores (the workers, Ray actors, Airflow's tasks, the
+# references): OpenMP threads that sleep instead of spinning (as verl-tasks' own processes do, quiet.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_collection_modifyitems(config, items):

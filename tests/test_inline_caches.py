@@ -1,6 +1,10 @@
 """What the inline path keeps per process stays true to the store: pinned prompts parsed once, still verified."""
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 
 from verl_tasks.errors import IntegrityError
@@ -164,3 +168,52 @@ def test_one_process_loads_each_policy_version_once(tiny_config, kl_type, kl_coe
     loads = [e["version"] for e in events if e["kind"] == "policy_loaded"]
     copies = [e["version"] for e in events if e["kind"] == "policy_copied"]
     assert loads == [0] and copies == [0], (loads, copies)
+
+
+BUILDER = """\
+import sys, time
+from pathlib import Path
+from verl_tasks.config import load_config
+from verl_tasks.phases.prepare import _base_folder
+from verl_tasks.runner import make_context
+
+config, work, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+ctx = make_context(load_config(config))
+ready.touch()
+while not go.exists():
+    time.sleep(0.01)
+work.mkdir()
+print("FOLDER", _base_folder(ctx, work)[0])
+"""
+
+
+def test_two_units_on_one_node_build_the_same_warm_start_once(tmp_path):
+    """Two processes that need the same tiny warm start at the same moment: one builds it, the other waits and
+    takes the cached folder (with the same bytes), and no half-written folder is left in the cache."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, TINY_YAML, small_overrides, write_yaml
+
+    config = write_yaml(tmp_path, small_overrides(**{"model.tiny.warm_start_steps": 150,
+                                                      "storage.uri": f"file://{tmp_path}/store"}), base=TINY_YAML)
+    env = {**os.environ, "VERL_TASKS_CACHE": str(tmp_path / "cache")}
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(config), str(tmp_path / f"work{i}"),
+                               str(tmp_path / f"ready{i}"), str(go)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.1)
+    go.touch()  # both ask for the warm start within milliseconds of each other
+    folders = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        folders.append(Path(out.split("FOLDER ", 1)[1].strip()))
+    built = [f for f in folders if f.parent == tmp_path]
+    cached = [f for f in folders if f.parent == tmp_path / "cache" / "warm-start"]
+    assert len(built) == 1 and len(cached) == 1, folders
+    assert (built[0] / "model.safetensors").read_bytes() == (cached[0] / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in cached[0].parent.iterdir() if p.is_dir()) == [cached[0].name]

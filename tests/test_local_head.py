@@ -325,3 +325,35 @@ def test_env_output_is_shell_quoted_for_eval(tmp_path, sleeper, capsys):
     done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert done.stdout.splitlines() == [str(state / "auth_token"), str(state)]
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_head_that_exits_during_start_up_is_started_again(tmp_path, monkeypatch, caplog):
+    """On a busy machine ``ray start`` gives up when its raylet takes over 30 s to register, after its GCS already
+    listens. Injected here: the first head's process group is SIGKILLed as soon as it is launched. ``start``
+    sees it exit, starts the head again and returns only once that one's node registered."""
+    import signal
+
+    from verl_tasks.execution.cli_cluster import _free_ports
+
+    state = local_head.private_dir(tmp_path / "ray-head")
+    port, dashboard = _free_ports()
+    real_launch, launched = local_head.launch, []
+
+    def launch_then_kill_the_first(*args, **kwargs):
+        info = real_launch(*args, **kwargs)
+        launched.append(info.pid)
+        if len(launched) == 1:
+            os.killpg(info.pid, signal.SIGKILL)
+        return info
+
+    monkeypatch.setattr(local_head, "launch", launch_then_kill_the_first)
+    with caplog.at_level("WARNING", logger=local_head.__name__):
+        try:
+            info = local_head.start(state, port=port, dashboard_port=dashboard, num_cpus=1, dashboard=False)
+            assert local_head.read_info(state) == info and info.pid == launched[-1] != launched[0]
+            assert local_head.RUNTIME_STARTED.decode() in Path(info.log_file).read_text()
+            assert info.pid in local_head.head_members(info)
+        finally:
+            local_head.stop(state, timeout_s=0)
+    assert len(launched) == 2, launched
+    assert "exited during start-up (attempt 1 of 3" in caplog.text

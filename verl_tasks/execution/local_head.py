@@ -38,10 +38,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from verl_tasks.quiet import OWN_PROCESS_DEFAULTS
+
 log = logging.getLogger(__name__)
 # Logical CPUs the head offers: every phase pool of an experiment (1 CPU per worker by default)
 # stays resident at once on a small machine; Ray's CPU resource is a placement count, not a limit.
 LOGICAL_CPUS = 8
+START_ATTEMPTS = 3  # a head that exits during start-up (a raylet slow to register on a busy machine) is started again
+RUNTIME_STARTED = b"Ray runtime started."  # what `ray start` prints once its node registered
+
+
+class HeadExited(RuntimeError):
+    """The head's process ended before the head was ready."""
 
 
 @dataclass
@@ -283,7 +291,7 @@ def _ready(info: HeadInfo, timeout_s: float) -> None:
     last: Exception | None = None
     while time.monotonic() < deadline:
         if not _alive(info):
-            raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
+            raise HeadExited(f"ray head exited during start-up; see {info.log_file}")
         try:
             RayJobBackend(RayTarget(info.address, read_token(info.token_file))).client.list_jobs()
             return
@@ -305,7 +313,7 @@ def _gcs_listening(info: HeadInfo, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not _alive(info):
-            raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
+            raise HeadExited(f"ray head exited during start-up; see {info.log_file}")
         try:
             socket.create_connection((host, int(port)), timeout=1).close()
             return
@@ -327,14 +335,44 @@ def start(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_
     without the dashboard and its Jobs API, about half the start-up on 2 cores; it is then
     ready when its GCS port accepts connections (see :func:`wait_for_node` for a driver).
     """
-    info = launch(state_dir, port=port, dashboard_port=dashboard_port, num_cpus=num_cpus, num_gpus=num_gpus,
-                  resources=resources, cwd=cwd, dashboard=dashboard)
-    try:
-        _ready(info, timeout_s) if dashboard else _gcs_listening(info, timeout_s)
-    except Exception:
-        stop(state_dir)
-        raise
-    return info
+    running = read_info(Path(state_dir).resolve()) if Path(state_dir).is_dir() else None
+    attempt = 0
+    while True:
+        attempt += 1
+        log_file = Path(state_dir) / "head.log"
+        offset = log_file.stat().st_size if log_file.exists() else 0
+        info = launch(state_dir, port=port, dashboard_port=dashboard_port, num_cpus=num_cpus, num_gpus=num_gpus,
+                      resources=resources, cwd=cwd, dashboard=dashboard)
+        try:
+            _ready(info, timeout_s) if dashboard else _gcs_listening(info, timeout_s)
+            if running is None:
+                _runtime_started(info, offset, timeout_s)
+        except HeadExited:
+            stop(state_dir)
+            if attempt == START_ATTEMPTS:
+                raise
+            log.warning("the Ray head exited during start-up (attempt %d of %d; on a busy machine its raylet can miss "
+                        "Ray's 30 s to register, see %s); starting it again", attempt, START_ATTEMPTS, info.log_file)
+        except Exception:
+            stop(state_dir)
+            raise
+        else:
+            return info
+
+
+def _runtime_started(info: HeadInfo, offset: int, timeout_s: float) -> None:
+    """Until ``ray start`` says its node registered (its log, past ``offset``). The GCS listens before the raylet
+    registers, and ``ray start`` gives up when that takes longer than 30 s, so a head can still exit here."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(info.log_file, "rb") as log_text:
+            log_text.seek(offset)
+            if RUNTIME_STARTED in log_text.read():
+                return
+        if not _alive(info):
+            raise HeadExited(f"ray head exited during start-up; see {info.log_file}")
+        time.sleep(0.2)
+    raise TimeoutError(f"ray head at {info.gcs_address} did not finish starting in {timeout_s}s; see {info.log_file}")
 
 
 def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num_cpus: int = LOGICAL_CPUS,
@@ -357,6 +395,8 @@ def launch(state_dir: Path, *, port: int = 6399, dashboard_port: int = 8275, num
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
+    for key, value in OWN_PROCESS_DEFAULTS.items():  # every worker and driver of the head inherits them
+        env.setdefault(key, value)
     env.pop("RAY_ADDRESS", None)
     log_file = state_dir / "head.log"
     cmd = [
@@ -429,7 +469,7 @@ def wait_for_node(info: HeadInfo, timeout_s: float = 90) -> dict[str, float]:
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         if not _alive(info):
-            raise RuntimeError(f"ray head exited during start-up; see {info.log_file}")
+            raise HeadExited(f"ray head exited during start-up; see {info.log_file}")
         try:
             client = client or GcsClient(address=info.gcs_address)
             nodes = client.get_all_node_info(timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values()

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 KIND = "handover"
 LOOKUP_S = 5.0
+# Publishing may start the registry actor, whose worker process takes seconds to start on a busy node.
+PUBLISH_S = 60.0
 FETCH_S = 120.0
 
 
@@ -87,7 +89,7 @@ def publish_weights(ctx: Any, record: CommitRecord, handle: list[Any]) -> bool:
 
     sha = record.files[WEIGHTS].sha256
     try:
-        return bool(ray.get(_registry(ctx.config, create=True).publish.remote(sha, handle), timeout=LOOKUP_S))
+        return bool(ray.get(_registry(ctx.config, create=True).publish.remote(sha, handle), timeout=PUBLISH_S))
     except (ray.exceptions.RayError, ValueError) as err:
         log.warning("the new weights were not handed over in memory (%s); readers load them from the store", err)
         return False

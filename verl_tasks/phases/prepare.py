@@ -5,10 +5,15 @@ the same experiment name is refused here, before any compute.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
+import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +100,37 @@ def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
     key = json.dumps({"tiny": cfg.model.tiny.model_dump(), "seed": cfg.seed, "threads": cfg.torch_threads,
                       "builder": builder}, sort_keys=True)
     cache = CACHE_DIR / "warm-start" / hashlib.sha256(key.encode()).hexdigest()[:20]
-    if (cache / "info.json").exists():
-        return cache, json.loads((cache / "info.json").read_text())
-    tiny, info = warm_start(cfg.model.tiny, cfg.seed, build_tokenizer())
-    save_policy(tiny, build_tokenizer(), work)
-    info = {"source": "tiny", **info}
+    with _building(cache):  # units on one node that need the same warm start build it once: the rest wait
+        if (cache / "info.json").exists():
+            return cache, json.loads((cache / "info.json").read_text())
+        tiny, info = warm_start(cfg.model.tiny, cfg.seed, build_tokenizer())
+        save_policy(tiny, build_tokenizer(), work)
+        info = {"source": "tiny", **info}
+        _keep(work, info, cache)
+    return work, info
+
+
+@contextlib.contextmanager
+def _building(cache: Path) -> Iterator[None]:
+    """Hold ``cache``'s lock file while the block runs (no lock where the cache cannot be written)."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(cache.parent / f"{cache.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        log.info("warm-start cache not locked: %s", err)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _keep(work: Path, info: dict[str, Any], cache: Path) -> None:
+    """Copy the built warm start into ``cache`` (all or nothing: a folder renamed into place)."""
+    tmp: Path | None = None
+    try:
         tmp = Path(tempfile.mkdtemp(dir=cache.parent))
         for path in work.iterdir():
             (tmp / path.name).write_bytes(path.read_bytes())
@@ -109,7 +138,8 @@ def _base_folder(ctx: PhaseContext, work: Path) -> tuple[Path, dict[str, Any]]:
         tmp.rename(cache)
     except OSError as err:  # a cache we cannot write only costs time
         log.info("warm-start cache not written: %s", err)
-    return work, info
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def base_snapshot(ctx: PhaseContext, parent: dict[str, Any] | None = None) -> CommitRecord:
