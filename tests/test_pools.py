@@ -167,6 +167,37 @@ def test_a_cancelled_unit_stops_and_never_commits(gpu_head, tiny_config, tmp_pat
     assert read_marker(ctx.store, unit).attempt == record.attempt
 
 
+def test_a_worker_killed_mid_batch_gets_its_units_again_without_spending_a_try(gpu_head, tiny_config, tmp_path):
+    """A rollout worker SIGKILLed mid-batch while the next batch waits in its queue: Ray restarts the actor and
+    refuses calls until it is back. With no retries to spend, ``run_on_pools`` sends both units again once the
+    actor answers, and each batch commits once."""
+    import signal
+    import threading
+
+    from verl_tasks.execution import pools
+
+    plan = gpu_head["plan"]
+    ctx = _planned(tiny_config, f"file://{tmp_path}/store", **{"fault_tolerance.retries": 0})
+    name = ctx.config.experiment
+    held = hold(plan, name, 0, 0)
+    killed: list[int] = []
+
+    def kill_the_holder() -> None:
+        pid = int(wait_until("rollout batch 0 to be in its middle", lambda: held.exists() and held.read_text()))
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        release(plan, name, 0, 0)
+
+    killer = threading.Thread(target=kill_the_holder, daemon=True)
+    killer.start()
+    committed = list(pools.run_on_pools(ctx, "rollout", 0, [0, 1]))
+    killer.join(timeout=60)
+    assert killed, "the held worker was never killed"
+    assert sorted(committed) == [0, 1]
+    for batch in (0, 1):
+        assert read_marker(ctx.store, Layout(name).rollout(0, batch)) is not None
+
+
 def test_cancelling_a_unit_queued_behind_another_leaves_that_one_running(gpu_head, tiny_config, tmp_path):
     """One actor, two batches: batch 1 waits in the actor's queue while batch 0 runs. Clearing batch 1
     fences it and leaves batch 0 alone (same process, commits); batch 1 never starts its work."""

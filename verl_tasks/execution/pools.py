@@ -385,7 +385,9 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
     Yields each batch as its unit commits. A failed unit (its worker died, a timeout, a phase
     error) follows :func:`verl_tasks.execution.outcome.after_failure`, as the inline runner
     does: each retry is a new attempt; the first failure that is not retried nor left out is
-    raised once the other units finish.
+    raised once the other units finish. A call refused while Ray restarts its actor is sent
+    again, as :func:`run_unit` does, without spending a try: a retry sent at once would only
+    meet the same restarting actor.
     """
     from verl_tasks.errors import PhaseFailed
     from verl_tasks.execution.outcome import (
@@ -415,6 +417,7 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
         launch(batch, 1)
     failure: Exception | None = None
     timeout_s = ft.timeout_s.get(phase)
+    refused: dict[str, tuple[float, int]] = {}  # attempt -> (first refusal, resends)
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if timeout_s is None else STATE_POLL_S * 2)
         if not ready:
@@ -423,7 +426,18 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
         spec, attempt, actor, tries = pending.pop(ready[0])
         try:
             result = ray.get(ready[0])
-        except ACTOR_GONE as err:
+        except ray.exceptions.ActorUnavailableError as err:
+            first, resends = refused.get(attempt, (time.monotonic(), 0))
+            if time.monotonic() - first <= RESEND_WINDOW_S:
+                refused[attempt] = (first, resends + 1)
+                log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label,
+                         resends + 1)
+                time.sleep(min(2.0, STATE_POLL_S * (resends + 1)))
+                pending[send(actor, config, spec, attempt)] = (spec, attempt, actor, tries)
+                continue
+            result = {"ok": False, "error": f"worker of {spec.label} stayed unavailable for "
+                                            f"{RESEND_WINDOW_S:g} s: {type(err).__name__}"}
+        except ray.exceptions.RayActorError as err:
             result = {"ok": False, "error": f"worker of {spec.label} died or was cancelled: {type(err).__name__}"}
         for line in result.get("log", []):
             log.debug("[%s] %s", spec.label, line)
