@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import uuid
 from pathlib import Path
 
@@ -31,9 +30,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port on 127.0.0.1, below the kernel's ephemeral range (``verl_tasks.execution.ports``)."""
+    from verl_tasks.execution.ports import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 

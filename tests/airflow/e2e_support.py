@@ -8,7 +8,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,24 +24,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def free_port(span: int = 1) -> int:
-    """A port p such that p..p+span-1 are all free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + span >= 65000:
-            continue
-        ok = True
-        for offset in range(1, span):
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", base + offset))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no run of {span} free ports found")
+    """A port p such that p..p+span-1 are all free on 127.0.0.1 right now, below the kernel's ephemeral range:
+    a port from that range can be taken by any connection (a Ray head opens many) before the server binds it."""
+    from verl_tasks.execution.ports import free_port as below_ephemeral
+
+    return below_ephemeral("127.0.0.1", span)
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------
@@ -180,6 +166,18 @@ class Standalone:
         except OSError:
             return "(no standalone log)"
 
+    def api_version(self, api: Any) -> Any:
+        """The API's answer to ``/api/v2/version`` (a probe for :func:`wait_for`); raises
+        :class:`ServerDidNotBind` at once when a component logged that its port was taken."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        failed = [line for line in text.splitlines() if "error while attempting to bind" in line]
+        if failed:
+            raise ServerDidNotBind(f"an Airflow server could not bind its port: {ANSI.sub('', failed[0])}")
+        return self.alive() and api.request("GET", "/api/v2/version")
+
     def log_size(self) -> int:
         try:
             return self.log_path.stat().st_size
@@ -228,6 +226,11 @@ def _group_alive(pgid: int) -> bool:
 # -- REST API v2 -----------------------------------------------------------------------------
 class DagImportError(AssertionError):
     """A DAG file Airflow could not import: waiting longer cannot help, so :func:`wait_for` raises it at once."""
+
+
+class ServerDidNotBind(DagImportError):
+    """An Airflow server exited because its port was taken: standalone lives on without it, so a wait for it
+    would only run into its limit. Raised at once by :meth:`Standalone.api_version`."""
 
 
 class ApiError(RuntimeError):

@@ -127,7 +127,7 @@ def standalone_stack(root: Path) -> Iterator[Stack]:
         def diagnose() -> str:
             return f"standalone alive={airflow.alive()}; log tail:\n{airflow.log_tail()}"
 
-        wait_for("the Airflow API", lambda: airflow.alive() and api.request("GET", "/api/v2/version"), 120,
+        wait_for("the Airflow API", lambda: airflow.api_version(api), 120,
                  diagnose=diagnose, progress=airflow.log_size, limit_s=900)
         for dag_id in EXPERIMENTS:
             wait_for(f"DAG {dag_id} to be parsed", lambda d=dag_id: api.dag_parsed(d), 120,

@@ -219,7 +219,7 @@ def stack(tmp_path_factory, moto_endpoint):
             return f"standalone alive={airflow.alive()}; log tail:\n{airflow.log_tail()}"
 
         # Starting up, the log grows while anything happens (migrations, parsing).
-        wait_for("the Airflow API", lambda: airflow.alive() and api.request("GET", "/api/v2/version"), 120,
+        wait_for("the Airflow API", lambda: airflow.api_version(api), 120,
                  every=POLL_S, diagnose=diagnose, progress=airflow.log_size, limit_s=900)
         wait_for(f"DAG {DAG_ID} to be parsed", lambda: api.dag_parsed(DAG_ID), 120,
                  every=POLL_S, diagnose=diagnose, progress=airflow.log_size, limit_s=600)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -54,22 +53,12 @@ def check_gpus(config: ExperimentConfig, offered: float) -> None:
 
 
 def _free_ports() -> tuple[int, int]:
-    """A GCS port P and dashboard port D such that P, P+1 and D..D+4 are all free (see local_head)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base > 60000:
-            continue
-        wanted = [base, base + 1] + [base + 10 + i for i in range(5)]
-        try:
-            for port in wanted:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base, base + 10
-    raise RuntimeError("no free ports for a local Ray head")
+    """A GCS port P and dashboard port D such that P, P+1 and D..D+4 are all free (see local_head), drawn
+    where no other process's connection takes them before the head binds them (``ports``)."""
+    from verl_tasks.execution.ports import free_ports
+
+    base = free_ports([0, 1, 10, 11, 12, 13, 14])
+    return base, base + 10
 
 
 def connect(stack: ExitStack, config: ExperimentConfig, ray_address: str | None,

@@ -119,12 +119,10 @@ class UpdateWorker:
     @ray.method(concurrency_group="work")
     def rendezvous(self) -> str:
         """``host:port`` for the group's TCP store (asked of rank 0): this node's address and a free port."""
-        import socket
+        from verl_tasks.execution.ports import free_port
 
         host = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            return f"{host}:{sock.getsockname()[1]}"
+        return f"{host}:{free_port(host)}"
 
     @ray.method(concurrency_group="work")
     def join(self, address: str, timeout_s: float) -> dict[str, Any]:
