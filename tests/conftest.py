@@ -36,7 +36,6 @@ def free_port() -> int:
     return below_ephemeral()
 
 
-
 def default_sigint() -> None:
     """``preexec_fn`` of a child a test stops with SIGINT, as Ctrl-C in a terminal would: a shell that started
     pytest in the background leaves SIGINT ignored, an ignored signal stays ignored across exec, and bash

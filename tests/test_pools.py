@@ -183,10 +183,12 @@ def test_a_worker_killed_mid_batch_gets_its_units_again_without_spending_a_try(g
     killed: list[int] = []
 
     def kill_the_holder() -> None:
-        pid = int(wait_until("rollout batch 0 to be in its middle", lambda: held.exists() and held.read_text()))
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-        release(plan, name, 0, 0)
+        try:
+            pid = int(wait_until("rollout batch 0 to be in its middle", lambda: held.exists() and held.read_text()))
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        finally:
+            release(plan, name, 0, 0)  # never left held: the run below would wait for it for ever
 
     killer = threading.Thread(target=kill_the_holder, daemon=True)
     killer.start()

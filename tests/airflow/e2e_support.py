@@ -28,7 +28,7 @@ def free_port(span: int = 1) -> int:
     a port from that range can be taken by any connection (a Ray head opens many) before the server binds it."""
     from verl_tasks.execution.ports import free_port as below_ephemeral
 
-    return below_ephemeral("127.0.0.1", span)
+    return below_ephemeral(span)
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------
@@ -173,7 +173,8 @@ class Standalone:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             text = ""
-        failed = [line for line in text.splitlines() if "error while attempting to bind" in line]
+        failed = [line for line in text.splitlines()
+                  if "error while attempting to bind" in line or "address already in use" in line.lower()]
         if failed:
             raise ServerDidNotBind(f"an Airflow server could not bind its port: {ANSI.sub('', failed[0])}")
         return self.alive() and api.request("GET", "/api/v2/version")

@@ -418,17 +418,18 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
     failure: Exception | None = None
     timeout_s = ft.timeout_s.get(phase)
     refused: dict[str, tuple[float, int]] = {}  # attempt -> (first refusal, resends)
+    cancelled: set[str] = set()  # attempts stopped here for their timeout: fenced, never sent again
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if timeout_s is None else STATE_POLL_S * 2)
         if not ready:
-            _cancel_overdue(config, pending, timeout_s)
+            cancelled |= _cancel_overdue(config, pending, timeout_s)
             continue
         spec, attempt, actor, tries = pending.pop(ready[0])
         try:
             result = ray.get(ready[0])
         except ray.exceptions.ActorUnavailableError as err:
             first, resends = refused.get(attempt, (time.monotonic(), 0))
-            if time.monotonic() - first <= RESEND_WINDOW_S:
+            if attempt not in cancelled and time.monotonic() - first <= RESEND_WINDOW_S:
                 refused[attempt] = (first, resends + 1)
                 log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label,
                          resends + 1)
@@ -457,8 +458,9 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
         raise failure
 
 
-def _cancel_overdue(config: ExperimentConfig, pending: dict[Any, tuple], timeout_s: float) -> None:
-    """Cancel every pending unit that has run (not queued) longer than ``timeout_s``."""
+def _cancel_overdue(config: ExperimentConfig, pending: dict[Any, tuple], timeout_s: float) -> set[str]:
+    """Cancel every pending unit that has run (not queued) longer than ``timeout_s``; returns their attempts."""
+    overdue = set()
     for spec, attempt, actor, _tries in list(pending.values()):
         try:
             busy = ray.get(actor.state.remote(), timeout=STATE_POLL_S * 10)["busy"]
@@ -466,6 +468,8 @@ def _cancel_overdue(config: ExperimentConfig, pending: dict[Any, tuple], timeout
             continue
         if busy and busy.get("attempt") == attempt and time.time() - float(busy["since"]) > timeout_s:
             cancel_unit(config, spec, attempt, actor, f"timed out after {timeout_s:g} s")
+            overdue.add(attempt)
+    return overdue
 
 
 def cancel_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, actor: Any | None, reason: str,

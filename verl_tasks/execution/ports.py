@@ -8,10 +8,12 @@ worker ports (10002-19999 unless set), where only a process naming the port itse
 """
 from __future__ import annotations
 
+import logging
 import random
 import socket
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 LOWEST = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 TRIES = 200
@@ -25,32 +27,48 @@ def ephemeral_low() -> int:
         return 32768
 
 
-def free_ports(offsets: list[int], host: str = "127.0.0.1") -> int:
-    """A base port B such that B + each of ``offsets`` is free on ``host`` now, all below the ephemeral range.
+def free_ports(offsets: list[int]) -> int:
+    """A base port B such that B + each of ``offsets`` is free on every address now, below the ephemeral range.
+
+    A kernel whose ephemeral range starts too low to leave room (``1024 65535`` is a common tuning) gets ports
+    the kernel picks, with a warning: they work, with the race this module avoids elsewhere.
 
     Raises:
-        RuntimeError: no such base found (the range is full, or the kernel's range starts too low to leave one).
+        RuntimeError: no such base found after ``TRIES`` draws.
     """
     top = ephemeral_low() - max(offsets) - 1
     if top <= LOWEST:
-        raise RuntimeError(f"the kernel's ephemeral ports start at {ephemeral_low()} ({EPHEMERAL_RANGE}), which "
-                           f"leaves no room above {LOWEST} for verl-tasks' servers; raise the range's lower end")
+        log.warning("the kernel's ephemeral ports start at %d (%s): no room above %d for servers' ports, so the "
+                    "kernel picks them and another process may take one first; raise the range's lower end above "
+                    "%d", ephemeral_low(), EPHEMERAL_RANGE, LOWEST, LOWEST + max(offsets) + 1)
+        return _kernel_pick(offsets)
     for _ in range(TRIES):
         base = random.randint(LOWEST, top)
-        if all(_bindable(host, base + offset) for offset in offsets):
+        if all(_bindable(base + offset) for offset in offsets):
             return base
-    raise RuntimeError(f"no free ports {offsets} above a base in {LOWEST}..{top} on {host} after {TRIES} tries")
+    raise RuntimeError(f"no free ports {offsets} above a base in {LOWEST}..{top} after {TRIES} tries")
 
 
-def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
-    """A port P such that P..P+span-1 are free on ``host`` now (see :func:`free_ports`)."""
-    return free_ports(list(range(span)), host)
+def free_port(span: int = 1) -> int:
+    """A port P such that P..P+span-1 are free now (see :func:`free_ports`)."""
+    return free_ports(list(range(span)))
 
 
-def _bindable(host: str, port: int) -> bool:
+def _kernel_pick(offsets: list[int]) -> int:
+    for _ in range(TRIES):
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            base = sock.getsockname()[1]
+        if base + max(offsets) <= 65535 and all(_bindable(base + offset) for offset in offsets):
+            return base
+    raise RuntimeError(f"no free ports {offsets} from the kernel after {TRIES} tries")
+
+
+def _bindable(port: int) -> bool:
+    """Whether ``port`` is free on every IPv4 address (servers bind the wildcard address or one of them)."""
     with socket.socket() as sock:
         try:
-            sock.bind((host, port))
+            sock.bind(("", port))
         except OSError:
             return False
     return True

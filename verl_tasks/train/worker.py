@@ -122,7 +122,7 @@ class UpdateWorker:
         from verl_tasks.execution.ports import free_port
 
         host = ray.util.get_node_ip_address()
-        return f"{host}:{free_port(host)}"
+        return f"{host}:{free_port()}"
 
     @ray.method(concurrency_group="work")
     def join(self, address: str, timeout_s: float) -> dict[str, Any]:
