@@ -141,11 +141,17 @@ def head_members(info: HeadInfo) -> list[int]:
     return group if any(_uses_tmpdir(pid, info.tmpdir) for pid in group) else []
 
 
-def _kill_members(info: HeadInfo, settle_s: float = 5.0) -> None:
+def _kill_members(info: HeadInfo, known: dict[int, int] | None = None, settle_s: float = 5.0) -> None:
     """SIGKILL the head's members until none is left (a raylet may still spawn a worker meanwhile) or
-    ``settle_s`` has passed: the ports are free once this returns."""
+    ``settle_s`` has passed: the ports are free once this returns.
+
+    ``known`` (pid -> start time) are members seen while the head still ran: once gcs_server and raylet are
+    gone, :func:`head_members` no longer recognises the group, and the node's agents (DashboardAgent,
+    RuntimeEnvAgent), renamed like workers, would outlive their head for minutes. Each is killed only while
+    its pid is still the process that started then."""
     deadline = time.monotonic() + settle_s
-    while members := head_members(info):
+    while members := sorted(set(head_members(info)) | {pid for pid, started in (known or {}).items()
+                                                      if _still(pid, started)}):
         for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -155,6 +161,12 @@ def _kill_members(info: HeadInfo, settle_s: float = 5.0) -> None:
             log.warning("processes %s of the Ray head %d outlived SIGKILL for %gs", members, info.pid, settle_s)
             return
         time.sleep(0.05)
+
+
+def _still(pid: int, started: int) -> bool:
+    """Whether ``pid`` is still the live (not zombie) process that started at ``started``."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z" and int(fields[19]) == started
 
 
 def _kill_leftovers(info: HeadInfo) -> None:
@@ -510,13 +522,14 @@ def stop(state_dir: Path, timeout_s: float = 30) -> bool:
         _kill_leftovers(info)
         _forget(path, info)
         return False
+    known = {pid: started for pid in head_members(info) if (started := start_time(pid)) is not None}
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while _alive(info) and time.monotonic() < deadline:  # _alive reaps our own child
         time.sleep(0.05)
     if _alive(info):
         os.kill(info.pid, signal.SIGKILL)
-    _kill_members(info)  # whatever of the head is left (workers, dashboard): only processes that are its own
+    _kill_members(info, known)  # whatever of the head is left (workers, agents): only processes that are its own
     try:  # a head this process started is reaped, not left a zombie
         os.waitpid(info.pid, 0)
     except ChildProcessError:
