@@ -377,7 +377,7 @@ def test_a_stopped_head_leaves_none_of_its_processes_behind_its_node_agents_incl
     """The node's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) name no temp folder: when ``ray
     start``, SIGTERMed and then SIGKILLed (``stop(timeout_s=0)``), had already stopped gcs_server and raylet
     before ``stop`` looked at the group, the group was no longer recognisable as the head's and the agents lived
-    on for minutes, holding memory and CPU (about one stop in three on this machine). ``stop`` kills what it saw
+    on for minutes, holding memory and CPU (2 of 4 stops measured on this machine). ``stop`` kills what it saw
     of the head before it signalled it."""
     from verl_tasks.execution.cli_cluster import _free_ports
 
