@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import socket
+from functools import partial
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,12 @@ def free_ports(offsets: list[int]) -> int:
         log.warning("the kernel's ephemeral ports start at %d (%s): no room above %d for servers' ports, so the "
                     "kernel picks them and another process may take one first; raise the range's lower end above "
                     "%d", ephemeral_low(), EPHEMERAL_RANGE, LOWEST, LOWEST + max(offsets) + 1)
-        return _kernel_pick(offsets)
+    draw = partial(random.randint, LOWEST, top) if top > LOWEST else _kernel_port
     for _ in range(TRIES):
-        base = random.randint(LOWEST, top)
-        if all(_bindable(base + offset) for offset in offsets):
+        base = draw()
+        if base + max(offsets) <= 65535 and all(_bindable(base + offset) for offset in offsets):
             return base
-    raise RuntimeError(f"no free ports {offsets} above a base in {LOWEST}..{top} after {TRIES} tries")
+    raise RuntimeError(f"no free ports {offsets} on this node after {TRIES} tries")
 
 
 def free_port(span: int = 1) -> int:
@@ -54,14 +55,11 @@ def free_port(span: int = 1) -> int:
     return free_ports(list(range(span)))
 
 
-def _kernel_pick(offsets: list[int]) -> int:
-    for _ in range(TRIES):
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            base = sock.getsockname()[1]
-        if base + max(offsets) <= 65535 and all(_bindable(base + offset) for offset in offsets):
-            return base
-    raise RuntimeError(f"no free ports {offsets} from the kernel after {TRIES} tries")
+def _kernel_port() -> int:
+    """A port the kernel picks (its ephemeral range)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def _bindable(port: int) -> bool:
