@@ -323,8 +323,7 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
     is fenced (it can never commit), its actor killed (Ray restarts it empty) and
     :class:`verl_tasks.errors.UnitTimeout` raised (:func:`wait`).
     """
-    first_refused: float | None = None
-    resend = 0
+    refusals = Refusals()
     ref, actor = submit(config, spec, attempt)
     if on_submit:
         on_submit(actor, ref)
@@ -332,15 +331,29 @@ def run_unit(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, time
         try:
             return wait(config, spec, attempt, ref, actor, timeout_s, store)
         except ray.exceptions.ActorUnavailableError:
-            first_refused = first_refused or time.monotonic()
-            if time.monotonic() - first_refused > RESEND_WINDOW_S or (cancelled is not None and cancelled()):
+            if (cancelled is not None and cancelled()) or not refusals.wait_to_resend(spec, attempt):
                 raise
-            resend += 1
-            log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label, resend)
-            time.sleep(min(2.0, STATE_POLL_S * resend))
             ref = send(actor, config, spec, attempt)
             if on_submit:
                 on_submit(actor, ref)
+
+
+class Refusals:
+    """When a call Ray refused while it restarted the actor is sent again: after a pause growing by
+    ``STATE_POLL_S`` to at most 2 s, for up to ``RESEND_WINDOW_S`` after the attempt's first refusal."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str | None, tuple[float, int]] = {}  # attempt -> (first refusal, resends)
+
+    def wait_to_resend(self, spec: UnitSpec, attempt: str | None) -> bool:
+        """Pause before sending ``attempt`` again; False (at once) when its window has passed."""
+        first, resends = self._seen.get(attempt, (time.monotonic(), 0))
+        if time.monotonic() - first > RESEND_WINDOW_S:
+            return False
+        self._seen[attempt] = (first, resends + 1)
+        log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label, resends + 1)
+        time.sleep(min(2.0, STATE_POLL_S * (resends + 1)))
+        return True
 
 
 def wait(config: ExperimentConfig, spec: UnitSpec, attempt: str | None, ref: Any, actor: Any,
@@ -417,7 +430,7 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
         launch(batch, 1)
     failure: Exception | None = None
     timeout_s = ft.timeout_s.get(phase)
-    refused: dict[str, tuple[float, int]] = {}  # attempt -> (first refusal, resends)
+    refusals = Refusals()
     cancelled: set[str] = set()  # attempts stopped here for their timeout: fenced, never sent again
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if timeout_s is None else STATE_POLL_S * 2)
@@ -428,12 +441,7 @@ def run_on_pools(ctx: Any, phase: str, epoch: int, batches: list[int | None]) ->
         try:
             result = ray.get(ready[0])
         except ray.exceptions.ActorUnavailableError as err:
-            first, resends = refused.get(attempt, (time.monotonic(), 0))
-            if attempt not in cancelled and time.monotonic() - first <= RESEND_WINDOW_S:
-                refused[attempt] = (first, resends + 1)
-                log.info("%s reached its worker while Ray restarted it; sending it again (%d)", spec.label,
-                         resends + 1)
-                time.sleep(min(2.0, STATE_POLL_S * (resends + 1)))
+            if attempt not in cancelled and refusals.wait_to_resend(spec, attempt):
                 pending[send(actor, config, spec, attempt)] = (spec, attempt, actor, tries)
                 continue
             result = {"ok": False, "error": f"worker of {spec.label} stayed unavailable for "
